@@ -1,0 +1,45 @@
+"""dist_minimize: RFC 234's customizable `Optimizer.minimize` for Keras 3, correct under
+data-parallel distribution (tf.distribute, Horovod).
+
+Public API:
+  Optimizer, OptimizerWrapper, StagedOptimizer: the staged optimizers.
+  clip_by_global_norm, clip_by_norm, clip_by_value, global_norm: gradient transforms.
+  GradientTransform: base class for transforms with state or configuration.
+  aggregation: the backends (`Aggregator`, `StrategyAggregator`, `HorovodAggregator`).
+  callbacks: Keras callbacks (`GradientStatsLogger`).
+"""
+
+from dist_minimize import aggregation, callbacks
+from dist_minimize._compat import MissingDependencyError
+from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite
+from dist_minimize.transforms import (
+    ClipByGlobalNorm,
+    ClipByNorm,
+    ClipByValue,
+    GradientTransform,
+    clip_by_global_norm,
+    clip_by_norm,
+    clip_by_value,
+    global_norm,
+)
+from dist_minimize.wrapper import OptimizerWrapper
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClipByGlobalNorm",
+    "ClipByNorm",
+    "ClipByValue",
+    "GradientTransform",
+    "MissingDependencyError",
+    "Optimizer",
+    "OptimizerWrapper",
+    "StagedOptimizer",
+    "aggregation",
+    "all_finite",
+    "callbacks",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "global_norm",
+]

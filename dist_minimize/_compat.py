@@ -1,0 +1,74 @@
+"""Every optional import and every Keras/TensorFlow internal this package touches.
+
+Keeping them in one module means a Keras or Horovod change breaks in one place, with a
+message that says what to do, instead of deep inside a training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: E402,F401
+
+SETUP_HINT = "Run `bash ci/setup.sh` (it builds Horovod 0.28.1 with TensorFlow, Gloo and MPI)."
+
+
+class MissingDependencyError(ImportError):
+    """An optional dependency a requested feature needs is not installed."""
+
+
+def import_horovod() -> Any:
+    """Returns `horovod.tensorflow`, or raises `MissingDependencyError` saying how to get it."""
+    try:
+        return importlib.import_module("horovod.tensorflow")
+    except ImportError as e:
+        raise MissingDependencyError(
+            "The Horovod backend needs Horovod built with TensorFlow support "
+            f"(`horovod.tensorflow` failed to import: {e}). {SETUP_HINT}"
+        ) from e
+
+
+def import_mpi4py() -> Any:
+    """Returns `mpi4py.MPI`, or raises `MissingDependencyError` saying how to get it."""
+    try:
+        return importlib.import_module("mpi4py.MPI")
+    except ImportError as e:
+        raise MissingDependencyError(
+            f"mpi4py is needed here but failed to import ({e}). {SETUP_HINT}"
+        ) from e
+
+
+def disable_keras_all_reduce(optimizer: keras.optimizers.Optimizer) -> None:
+    """Stops a Keras 3 TensorFlow optimizer from all-reducing gradients itself.
+
+    Keras's TensorFlow optimizer sums gradients across replicas inside
+    `apply_gradients` (`_all_reduce_sum_gradients`). dist_minimize aggregates exactly
+    once, in its own `aggregate_gradients` stage, so the inner optimizer's reduction is
+    replaced by the identity on that instance only.
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError(
+            f"This Keras version ({keras.__version__}) has no "
+            "`_all_reduce_sum_gradients` on its TensorFlow optimizer; dist_minimize "
+            "cannot guarantee a single aggregation per step with it. Supported: the "
+            "Keras 3 that TensorFlow 2.16-2.21 install."
+        )
+    optimizer._all_reduce_sum_gradients = _identity_grads_and_vars
+
+
+def _identity_grads_and_vars(grads_and_vars):
+    return list(grads_and_vars)
+
+
+def inner_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.Strategy | None:
+    """The tf.distribute strategy a Keras optimizer captured when it was created."""
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def strategy_uses_merge_call() -> bool:
+    """Whether the current strategy needs `merge_call` for cross-replica updates."""
+    return not tf.__internal__.distribute.strategy_supports_no_merge_call()

@@ -1,0 +1,99 @@
+"""Normalising stage arguments and checking stage contracts (RFC 234 question 3)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import tensorflow as tf
+
+
+def as_callables(value: Any, argument: str) -> list[Callable]:
+    """`None`, one callable, or a sequence of callables -> a list of callables."""
+    if value is None:
+        return []
+    if callable(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        for i, fn in enumerate(value):
+            if not callable(fn):
+                raise TypeError(
+                    f"`{argument}` must be a callable or a sequence of callables. "
+                    f"Received: {argument}[{i}]={fn!r} of type {type(fn).__name__}"
+                )
+        return list(value)
+    raise TypeError(
+        f"`{argument}` must be a callable or a sequence of callables. "
+        f"Received: {argument}={value!r} of type {type(value).__name__}"
+    )
+
+
+def as_grads_and_vars(grads_and_vars: Any, argument: str = "grads_and_vars") -> list:
+    """Materialises `grads_and_vars` (a zip, a list of pairs) and checks its shape."""
+    try:
+        pairs = list(grads_and_vars)
+    except TypeError:
+        raise TypeError(
+            f"`{argument}` must be an iterable of (gradient, variable) pairs. "
+            f"Received: {argument}={grads_and_vars!r}"
+        ) from None
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise ValueError(
+                f"`{argument}` must hold (gradient, variable) pairs; item {i} is "
+                f"{pair!r}. Received: {argument} of length {len(pairs)}"
+            )
+    return [tuple(p) for p in pairs]
+
+
+def check_lengths(grads: Sequence, variables: Sequence) -> None:
+    """Gradients and variables must pair one to one."""
+    if len(grads) != len(variables):
+        raise ValueError(
+            "`grads` and `variables` must have the same length. Received: "
+            f"{len(grads)} gradients and {len(variables)} variables"
+        )
+
+
+def _name(v) -> str:
+    return getattr(v, "path", None) or getattr(v, "name", repr(v))
+
+
+def check_stage_output(stage: str, before: list, after: Any) -> list:
+    """Raises if a stage broke its contract; returns its output as a list of pairs.
+
+    The contract: one pair per input pair, the same variables in the same order, each
+    gradient `None` or shaped like its variable. Only static shapes are compared, so the
+    check costs nothing at run time.
+    """
+    if after is None:
+        raise ValueError(f"Stage `{stage}` returned None; it must return the (gradient, variable) pairs.")
+    try:
+        after = as_grads_and_vars(after, argument=f"the output of `{stage}`")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"Stage `{stage}` broke its contract: {e}") from None
+    if len(after) != len(before):
+        raise ValueError(
+            f"Stage `{stage}` returned {len(after)} (gradient, variable) pairs for "
+            f"{len(before)} received; it must return one pair per variable."
+        )
+    for i, ((_, v0), (g, v)) in enumerate(zip(before, after)):
+        if v is not v0:
+            raise ValueError(
+                f"Stage `{stage}` returned other variables: position {i} held "
+                f"`{_name(v0)}` and came back as `{_name(v)}`. Stages must keep the "
+                "variables and their order."
+            )
+        if g is None:
+            continue
+        shape = g.dense_shape if isinstance(g, tf.IndexedSlices) else g.shape
+        if isinstance(g, tf.IndexedSlices):
+            ok = g.values.shape[1:].is_compatible_with(v.shape[1:])
+            shape = g.values.shape
+        else:
+            ok = tf.TensorShape(shape).is_compatible_with(v.shape)
+        if not ok:
+            raise ValueError(
+                f"Stage `{stage}` returned a gradient of shape {shape} for variable "
+                f"`{_name(v)}` of shape {tuple(v.shape)}."
+            )
+    return after

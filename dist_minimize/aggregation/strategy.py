@@ -1,0 +1,51 @@
+"""tf.distribute all-reduce: MirroredStrategy and MultiWorkerMirroredStrategy."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
+
+
+class StrategyAggregator(Aggregator):
+    """One batched replica-context all-reduce (SUM) of every gradient of the step.
+
+    Keras and `tf.nn.compute_average_loss` divide each replica's loss by the number of
+    replicas in sync, so the SUM of the replicas' gradients is the gradient of the mean
+    loss over the global batch.
+
+    All gradients of the step go into a single `ReplicaContext.all_reduce` call, which
+    tf.distribute packs into as few collectives as its cross-device ops allow.
+    `IndexedSlices` (an `Embedding` layer's gradient) stay sparse: tf.distribute
+    all-gathers their values and indices, so the result may hold repeated indices
+    (their sum is the dense gradient). `None` gradients pass through untouched.
+
+    With no strategy, or a strategy of one replica, it is the identity. Called in a
+    cross-replica context it raises, because there is nothing per-replica to reduce.
+
+    Args:
+      options: optional `tf.distribute.experimental.CommunicationOptions` passed to
+        the all-reduce (e.g. to choose NCCL or RING for MultiWorkerMirroredStrategy).
+    """
+
+    name = "strategy"
+    reduction = "sum"
+
+    def __init__(self, options: tf.distribute.experimental.CommunicationOptions | None = None):
+        self.options = options
+
+    def __call__(self, grads_and_vars: GradsAndVars) -> list:
+        grads_and_vars = list(grads_and_vars)
+        if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():
+            raise RuntimeError(
+                "`aggregate_gradients` must run in a replica context (inside "
+                "`strategy.run` or `model.fit`), not in the cross-replica context."
+            )
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return grads_and_vars
+        positions, grads = split_nones(grads_and_vars)
+        if not grads:
+            return grads_and_vars
+        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads, options=self.options)
+        return merge_nones(grads_and_vars, positions, reduced)

@@ -1,0 +1,95 @@
+"""The gradient-transform protocol and helpers shared by the transforms."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import keras
+import tensorflow as tf
+
+
+@keras.saving.register_keras_serializable(package="dist_minimize")
+class GradientTransform:
+    """A step of the pipeline: grads_and_vars in, grads_and_vars out.
+
+    Any callable `grads_and_vars -> grads_and_vars` can be given to a stage; subclass
+    this when the transform has configuration to serialise or state to keep.
+
+    Contract:
+      * returns one `(gradient, variable)` pair per pair received, same variables in the
+        same order, each gradient `None` or shaped like its variable;
+      * runs inside the training step (eagerly or traced by `tf.function`, in the
+        replica context under tf.distribute): decisions are tensors, not Python
+        branches on tensor values.
+
+    State: `build(optimizer, variables)` is called once, from the optimizer's `build`,
+    under the strategy scope; create variables there with `optimizer.add_variable` so
+    that they are mirrored, checkpointed and saved with the optimizer. `stats()`
+    returns the values worth logging.
+    """
+
+    def build(self, optimizer: keras.optimizers.Optimizer, variables: Sequence[tf.Variable]) -> None:
+        """Creates the transform's state, if any. Default: stateless."""
+
+    def __call__(self, grads_and_vars):
+        raise NotImplementedError  # abstract: each transform implements it
+
+    def stats(self) -> dict:
+        """Values for logging (tensors or variables). Default: none."""
+        return {}
+
+    def get_config(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_config(cls, config: dict):
+        return cls(**config)
+
+
+def dense_values(g: tf.Tensor | tf.IndexedSlices) -> tf.Tensor:
+    """The tensor whose elements are the gradient's nonzero contributions.
+
+    For `IndexedSlices` with repeated indices (an all-gathered sparse gradient), rows of
+    the same index are summed first, so that norms and clipping see the dense
+    gradient's rows, not the pieces it was gathered from.
+    """
+    if isinstance(g, tf.IndexedSlices):
+        return dedupe(g).values
+    return g
+
+
+def dedupe(g: tf.IndexedSlices) -> tf.IndexedSlices:
+    """Sums the rows of repeated indices, so that each index appears once."""
+    unique, pos = tf.unique(g.indices)
+    values = tf.math.unsorted_segment_sum(g.values, pos, tf.shape(unique)[0])
+    return tf.IndexedSlices(values, unique, g.dense_shape)
+
+
+def map_gradient(g, fn):
+    """Applies `fn` to a dense gradient or to a (deduplicated) sparse one's values."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        d = dedupe(g)
+        return tf.IndexedSlices(fn(d.values), d.indices, d.dense_shape)
+    return fn(g)
+
+
+def accumulation_dtype(grads) -> tf.DType:
+    """float64 if any gradient is float64, else float32 (also for float16/bfloat16)."""
+    if any(g is not None and g.dtype == tf.float64 for g in grads):
+        return tf.float64
+    return tf.float32
+
+
+def check_positive_finite(name: str, value) -> float:
+    """Validates a positive finite number, naming the argument on failure."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`{name}` must be a positive finite number. Received: {name}={value!r}"
+        ) from None
+    if isinstance(value, bool) or not number > 0 or number == float("inf"):
+        raise ValueError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
+    return number
