@@ -62,3 +62,76 @@ def weights(model) -> list:
 
 def max_abs_diff(a: list, b: list) -> float:
     return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b))
+
+
+def shard_rows(x, y, shard: int, num_shards: int, global_batch: int = GLOBAL_BATCH):
+    """Rows of each global batch that replica/worker `shard` of `num_shards` holds."""
+    per = global_batch // num_shards
+    idx = [s * global_batch + shard * per + i
+           for s in range(len(x) // global_batch) for i in range(per)]
+    return x[idx], y[idx]
+
+
+def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip: bool = True):
+    """A dist_minimize optimizer with a global-norm clipper, or stock Keras global_clipnorm."""
+    inner = make_inner(keras, opt_name)
+    if not use_dm:
+        config = inner.get_config()
+        config["global_clipnorm"] = CLIP_NORM if clip else None
+        return type(inner).from_config(config)
+    return dm.Optimizer(inner, transform_gradients=[dm.clip_by_global_norm(CLIP_NORM)] if clip else None)
+
+
+def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip: bool = True,
+          dataset=None, eager: bool = False, steps: int = STEPS):
+    """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
+
+    mode: "fit" (model.compile + model.fit), "callable" (custom loop with
+    `minimize(loss_fn, vars)`), or "tape" (custom loop with a tensor loss and its tape).
+    dataset: the input; default: the global batches, split across replicas in order.
+    """
+    import dist_minimize as dm
+    import keras
+    import tensorflow as tf
+
+    x, y = make_data(steps)
+    with strategy.scope():
+        model = make_model(keras)
+        opt = build_optimizer(dm, keras, opt_name, use_dm, clip)
+    if dataset is None:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    if mode == "fit":
+        with strategy.scope():
+            model.compile(loss="mse", optimizer=opt, run_eagerly=eager)
+        model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps)
+        return weights(model), opt, model
+
+    with strategy.scope():
+        opt.build(model.trainable_variables)
+    if not isinstance(dataset, tf.distribute.DistributedDataset):
+        dataset = strategy.experimental_distribute_dataset(dataset)
+
+    def replica_step(xb, yb):
+        def loss_fn():
+            pred = model(xb, training=True)
+            per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
+            return tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+
+        if mode == "callable":
+            opt.minimize(loss_fn, model.trainable_variables)
+        elif mode == "tape":
+            with tf.GradientTape() as tape:
+                loss = loss_fn()
+            opt.minimize(loss, model.trainable_variables, tape=tape)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+
+    def step(batch):
+        strategy.run(replica_step, args=batch)
+
+    if not eager:
+        step = tf.function(step)
+    it = iter(dataset)
+    for _ in range(steps):
+        step(next(it))
+    return weights(model), opt, model

@@ -1,0 +1,61 @@
+"""One MultiWorkerMirroredStrategy worker of a parity run; writes its weights as JSON.
+
+Usage: multiworker_worker.py OUT_JSON CASE [CASE ...], with TF_CONFIG set by the caller.
+A CASE is "OPT/MODE" (e.g. "sgd/fit", "adam/callable"). Every worker holds its own
+shard of each global batch; each trains the same model and writes the final weights.
+Collectives time out (DM_COLLECTIVE_TIMEOUT seconds) so a lost peer fails fast.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import tensorflow as tf  # noqa: E402
+
+import parity_lib as P  # noqa: E402
+
+out_path, cases = sys.argv[1], sys.argv[2:]
+timeout = float(os.environ.get("DM_COLLECTIVE_TIMEOUT", "60"))
+strategy = tf.distribute.MultiWorkerMirroredStrategy(
+    communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout))
+task = strategy.cluster_resolver.task_id
+workers = strategy.num_replicas_in_sync
+assert workers == 2, workers
+
+
+def local_dataset(input_context):
+    x, y = P.make_data()
+    xs, ys = P.shard_rows(x, y, input_context.input_pipeline_id, input_context.num_input_pipelines)
+    per_replica = input_context.get_per_replica_batch_size(P.GLOBAL_BATCH)
+    return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(per_replica)
+
+
+results = {}
+for case in cases:
+    opt_name, mode = case.split("/")
+    if mode == "fit_anchor":
+        # Stock Keras model.fit under MultiWorkerMirroredStrategy: record how it fails.
+        import traceback
+
+        import keras
+
+        keras.config.disable_traceback_filtering()
+        dataset = strategy.distribute_datasets_from_function(local_dataset)
+        try:
+            P.train(strategy, opt_name, "fit", use_dm=False, dataset=dataset)
+            results[case] = {"error": None}
+        except Exception as e:  # noqa: BLE001 - the anchor records whatever Keras raises
+            results[case] = {"error": f"{type(e).__name__}: {str(e)[:200]}",
+                             "frames": [f.name for f in traceback.extract_tb(e.__traceback__)]}
+        continue
+    dataset = strategy.distribute_datasets_from_function(local_dataset)
+    got, opt, _ = P.train(strategy, opt_name, mode, dataset=dataset)
+    results[case] = {
+        "weights": [w.tolist() for w in got],
+        "iterations": int(opt.iterations.numpy()),
+    }
+with open(out_path, "w") as f:
+    json.dump({"task": task, "results": results}, f)
+print(f"worker {task} done", flush=True)
