@@ -18,8 +18,10 @@ STAMP="$VENV/.dist_minimize-setup"
 log() { echo "[setup] $*"; }
 
 fingerprint() {
-  cat "$ROOT/ci/setup.sh" "$ROOT/requirements/pins.txt" "$ROOT/requirements/lock.txt" \
-      "$ROOT/pyproject.toml" 2>/dev/null | sha256sum | cut -d' ' -f1
+  local f
+  for f in ci/setup.sh requirements/pins.txt requirements/lock.txt pyproject.toml; do
+    [[ -f "$ROOT/$f" ]] && sha256sum "$ROOT/$f"
+  done | sha256sum | cut -d' ' -f1
 }
 
 if [[ "${1:-}" == "--relock" ]]; then

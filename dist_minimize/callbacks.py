@@ -20,10 +20,11 @@ class GradientStatsLogger(keras.callbacks.Callback):
     runs, so with `verbose=True` the callback prints one line of its own.
 
     Args:
-      verbose: print the statistics after each epoch.
+      verbose: also print one line of statistics after each epoch (they are in the
+        logs, so Keras's own progress line shows them already).
     """
 
-    def __init__(self, verbose: bool = True):
+    def __init__(self, verbose: bool = False):
         super().__init__()
         self.verbose = verbose
         self._start: dict = {}

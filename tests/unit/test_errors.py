@@ -1,0 +1,140 @@
+"""Bad input fails where the mistake is made, naming the argument and the value."""
+
+import builtins
+
+import keras
+import pytest
+import tensorflow as tf
+
+import dist_minimize as dm
+
+
+def sgd(**kw):
+    return keras.optimizers.SGD(0.1, **kw)
+
+
+def make_vars():
+    return [tf.Variable([1.0, 2.0], name="a"), tf.Variable([[3.0]], name="b")]
+
+
+def run_stage(stage_fn):
+    """Runs apply_gradients with `stage_fn` as transform_gradients."""
+    v = make_vars()
+    opt = dm.Optimizer(sgd(), transform_gradients=stage_fn)
+    opt.apply_gradients([(tf.ones_like(x), x) for x in v])
+
+
+def minimize_tensor_without_tape():
+    v = tf.Variable(1.0)
+    dm.Optimizer(sgd()).minimize(v * 2.0, [v])
+
+
+def lengths_differ():
+    v = make_vars()
+    opt = dm.Optimizer(sgd())
+    opt.build(v)
+    opt.apply([tf.ones_like(v[0])], v)
+
+
+def not_pairs():
+    v = make_vars()
+    dm.Optimizer(sgd()).apply_gradients([tf.ones_like(v[0])])
+
+
+def horovod_missing(monkeypatch):
+    real_import = builtins.__import__
+
+    def no_horovod(name, *args, **kwargs):
+        if name.startswith("horovod"):
+            raise ImportError("No module named 'horovod'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_horovod)
+    monkeypatch.setattr("importlib.import_module", lambda name: no_horovod(name))
+    dm.Optimizer(sgd(), aggregate_gradients="horovod")
+
+
+CASES = [
+    # (id, callable, exception type, substrings the message must contain)
+    ("transform not callable", lambda: dm.Optimizer(sgd(), transform_gradients=3),
+     TypeError, ["`transform_gradients`", "transform_gradients=3"]),
+    ("transform in sequence not callable",
+     lambda: dm.Optimizer(sgd(), transform_unaggregated_gradients=[lambda g: g, "clip"]),
+     TypeError, ["transform_unaggregated_gradients[1]='clip'"]),
+    ("transform_loss not callable", lambda: dm.Optimizer(sgd(), transform_loss=1.5),
+     TypeError, ["transform_loss=1.5"]),
+    ("stage drops a pair", lambda: run_stage(lambda gv: gv[:1]),
+     ValueError, ["`transform_gradients", "returned 1", "2 received"]),
+    ("stage swaps variables", lambda: run_stage(lambda gv: gv[::-1]),
+     ValueError, ["`transform_gradients", "other variables", "position 0"]),
+    ("stage changes a shape", lambda: run_stage(lambda gv: [(tf.zeros([3]), v) for _, v in gv]),
+     ValueError, ["`transform_gradients", "shape (3,)"]),
+    ("stage returns None", lambda: run_stage(lambda gv: None),
+     ValueError, ["`transform_gradients", "returned None"]),
+    ("clip_norm zero", lambda: dm.clip_by_global_norm(0.0), ValueError, ["`clip_norm`", "clip_norm=0.0"]),
+    ("clip_norm negative", lambda: dm.clip_by_global_norm(-1), ValueError, ["clip_norm=-1"]),
+    ("clip_norm nan", lambda: dm.clip_by_global_norm(float("nan")), ValueError, ["clip_norm=nan"]),
+    ("clip_norm inf", lambda: dm.clip_by_global_norm(float("inf")), ValueError, ["clip_norm=inf"]),
+    ("clip_norm string", lambda: dm.clip_by_global_norm("big"), TypeError, ["clip_norm='big'"]),
+    ("clip_norm bool", lambda: dm.clip_by_norm(True), ValueError, ["clip_norm=True"]),
+    ("clip_value zero", lambda: dm.clip_by_value(0), ValueError, ["`clip_value`", "clip_value=0"]),
+    ("unknown backend", lambda: dm.Optimizer(sgd(), aggregate_gradients="gloo"),
+     ValueError, ["`aggregate_gradients`", "aggregate_gradients='gloo'", "'strategy'"]),
+    ("backend not a name or callable", lambda: dm.Optimizer(sgd(), aggregate_gradients=7),
+     TypeError, ["aggregate_gradients=7"]),
+    ("tensor loss without tape", minimize_tensor_without_tape, ValueError, ["`tape`", "tape=None"]),
+    ("grads and vars lengths differ", lengths_differ, ValueError, ["1 gradients and 2 variables"]),
+    ("grads_and_vars not pairs", not_pairs, ValueError, ["`grads_and_vars`", "item 0"]),
+    ("inner not a Keras optimizer", lambda: dm.Optimizer(object()),
+     TypeError, ["`optimizer`", "type object"]),
+    ("inner already dist_minimize", lambda: dm.Optimizer(dm.Optimizer(sgd())),
+     TypeError, ["OptimizerWrapper", "optimizer=Optimizer"]),
+    ("inner is Keras LossScaleOptimizer",
+     lambda: dm.Optimizer(keras.optimizers.LossScaleOptimizer(sgd())),
+     TypeError, ["LossScaleOptimizer"]),
+    ("inner with clipnorm", lambda: dm.Optimizer(sgd(clipnorm=1.0)),
+     ValueError, ["`clipnorm`", "clipnorm=1.0", "clip_by_norm(1.0)"]),
+    ("inner with global_clipnorm", lambda: dm.Optimizer(sgd(global_clipnorm=2.0)),
+     ValueError, ["`global_clipnorm`", "global_clipnorm=2.0", "clip_by_global_norm(2.0)"]),
+    ("inner with clipvalue", lambda: dm.Optimizer(sgd(clipvalue=0.5)),
+     ValueError, ["`clipvalue`", "clipvalue=0.5"]),
+    ("inner with gradient_accumulation_steps",
+     lambda: dm.Optimizer(sgd(gradient_accumulation_steps=4)),
+     ValueError, ["`gradient_accumulation_steps`", "gradient_accumulation_steps=4"]),
+    ("inner with use_ema", lambda: dm.Optimizer(sgd(use_ema=True)), ValueError, ["use_ema=True"]),
+    ("inner with loss_scale_factor", lambda: dm.Optimizer(sgd(loss_scale_factor=128.0)),
+     ValueError, ["loss_scale_factor=128.0"]),
+    ("Keras clipping argument on Optimizer", lambda: dm.Optimizer(sgd(), clipnorm=1.0),
+     ValueError, ["['clipnorm']", "clipnorm"]),
+    ("skip_nonfinite not a bool", lambda: dm.Optimizer(sgd(), skip_nonfinite="yes"),
+     TypeError, ["skip_nonfinite='yes'"]),
+    ("wrapper around a Keras optimizer", lambda: dm.OptimizerWrapper(sgd()),
+     TypeError, ["`optimizer`", "type SGD"]),
+    ("horovod reduction", lambda: dm.aggregation.HorovodAggregator(reduction="max"),
+     ValueError, ["reduction='max'"]),
+]
+
+
+@pytest.mark.parametrize("fn,exc,needles", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_raises_clear_error(fn, exc, needles):
+    with pytest.raises(exc) as info:
+        fn()
+    message = str(info.value)
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_missing_backend_dependency_names_set_up_step(monkeypatch):
+    with pytest.raises(dm.MissingDependencyError) as info:
+        horovod_missing(monkeypatch)
+    assert "ci/setup.sh" in str(info.value)
+    assert "Horovod" in str(info.value)
+
+
+def test_inner_created_outside_strategy_scope_is_refused():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    opt = dm.Optimizer(sgd())  # outside the scope
+    with strategy.scope():
+        v = tf.Variable(1.0)
+        with pytest.raises(ValueError, match="strategy.scope"):
+            opt.build([v])
