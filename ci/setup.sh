@@ -12,7 +12,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${DM_VENV:-$ROOT/.venv}
 PYTHON=${DM_PYTHON:-python3.11}
 HOROVOD_VERSION=0.28.1
-APT_PACKAGES=(openmpi-bin libopenmpi-dev)
+APT_PACKAGES=(openmpi-bin libopenmpi-dev g++ make)
 STAMP="$VENV/.dist_minimize-setup"
 
 log() { echo "[setup] $*"; }

@@ -7,9 +7,12 @@ Public API:
   GradientTransform: base class for transforms with state or configuration.
   aggregation: the backends (`Aggregator`, `StrategyAggregator`, `HorovodAggregator`).
   callbacks: Keras callbacks (`GradientStatsLogger`).
+  horovod_keras: Keras 3 + Horovod (broadcast, metric averaging, rank-0 output, sharding).
+  cluster: rank/size discovery (horovodrun, mpirun, srun, TF_CONFIG), Horovod from mpi4py.
+  launcher: horovodrun / mpirun / multi-worker / mirrored launches.
 """
 
-from dist_minimize import aggregation, callbacks
+from dist_minimize import aggregation, callbacks, cluster, horovod_keras, launcher
 from dist_minimize._compat import MissingDependencyError
 from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite
 from dist_minimize.transforms import (
@@ -38,6 +41,9 @@ __all__ = [
     "aggregation",
     "all_finite",
     "callbacks",
+    "cluster",
+    "horovod_keras",
+    "launcher",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",

@@ -2,77 +2,184 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
+import keras
 import tensorflow as tf
 
 from dist_minimize import _compat
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
+_REDUCTIONS = ("mean", "sum", "adasum")
+_COMPRESSIONS = ("none", "fp16")
 
+
+@keras.saving.register_keras_serializable(package="dist_minimize")
 class HorovodAggregator(Aggregator):
-    """Averages gradients across Horovod processes with one grouped allreduce.
+    """Aggregates gradients across Horovod processes with one grouped allreduce per step.
 
     Each Horovod process computes its loss as the mean over its local batch, so the
-    AVERAGE of the processes' gradients is the gradient of the mean loss over the
-    global batch (equal local batch sizes).
+    AVERAGE (`reduction="mean"`, the default) of the processes' gradients is the
+    gradient of the mean loss over the global batch (equal local batch sizes). With
+    `reduction="sum"`, scale each process's loss by `1 / global_batch` instead (sum of
+    per-example losses over the global batch size), as tf.distribute does.
+    `reduction="adasum"` combines gradients with Horovod's Adasum (a different update
+    than the mean: use it knowingly); Horovod supports it only for a power-of-two
+    number of processes and dense gradients, and this aggregator refuses other cases
+    with a clear error before any collective runs.
 
-    Dense gradients go into a single `hvd.grouped_allreduce` call. `IndexedSlices`
-    are densified first when `sparse_as_dense=True`; otherwise each is allgathered
-    (values and indices) and stays sparse, its values divided by the process count for
-    `reduction="mean"`.
+    All dense gradients of the step go into a single `hvd.grouped_allreduce` call.
+    `IndexedSlices` (an `Embedding` gradient) are densified first when
+    `sparse_as_dense=True` (then they join the grouped allreduce); otherwise each is
+    allgathered (values and indices) and stays sparse, its values divided by the
+    process count for `reduction="mean"`. `None` gradients pass through untouched.
 
-    Horovod is imported when the aggregator is created: without it, creating one
-    raises `MissingDependencyError` naming the set-up step. If `hvd.init()` has not
-    been called, the first aggregation calls it.
+    Horovod is imported when the aggregator is created (without it,
+    `MissingDependencyError` names the set-up step). If `hvd.init()` has not been called
+    when the first step runs, it is called then.
 
     Args:
-      reduction: `"mean"` (default) or `"sum"`.
+      reduction: `"mean"` (default), `"sum"` or `"adasum"`.
+      compression: `"none"` or `"fp16"` (Horovod's fp16 compressor: floating
+        gradients travel as float16 and are cast back).
       sparse_as_dense: densify `IndexedSlices` before the allreduce.
+      gradient_predivide_factor: with `reduction="mean"`, divide by this factor before
+        the sum and by `size / factor` after it (Horovod's pre/post scaling, to keep
+        float16 sums in range); 1.0 means a plain average.
+      process_set: a `horovod.tensorflow.ProcessSet`; aggregate only among its
+        processes (default: all).
+
+    Raises:
+      ValueError: an unknown `reduction` or `compression`, a non-positive
+        `gradient_predivide_factor`, or a predivide factor with a reduction other than
+        `"mean"`.
+      MissingDependencyError: Horovod is not installed with TensorFlow support.
     """
 
     name = "horovod"
 
-    def __init__(self, reduction: Literal["mean", "sum"] = "mean", sparse_as_dense: bool = False):
-        if reduction not in ("mean", "sum"):
+    def __init__(
+        self,
+        reduction: Literal["mean", "sum", "adasum"] = "mean",
+        compression: Literal["none", "fp16"] = "none",
+        sparse_as_dense: bool = False,
+        gradient_predivide_factor: float = 1.0,
+        process_set: Any = None,
+    ):
+        if reduction not in _REDUCTIONS:
             raise ValueError(
-                f"`reduction` must be 'mean' or 'sum'. Received: reduction={reduction!r}"
-            )
+                f"`reduction` must be one of {list(_REDUCTIONS)}. Received: reduction={reduction!r}")
+        if compression not in _COMPRESSIONS:
+            raise ValueError(
+                f"`compression` must be one of {list(_COMPRESSIONS)}. "
+                f"Received: compression={compression!r}")
+        try:
+            factor = float(gradient_predivide_factor)
+        except (TypeError, ValueError):
+            factor = float("nan")
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(
+                "`gradient_predivide_factor` must be a positive finite number. "
+                f"Received: gradient_predivide_factor={gradient_predivide_factor!r}")
+        if factor != 1.0 and reduction != "mean":
+            raise ValueError(
+                "`gradient_predivide_factor` only applies to reduction='mean'. Received: "
+                f"gradient_predivide_factor={gradient_predivide_factor!r}, reduction={reduction!r}")
         self.reduction = reduction
+        self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
+        self.gradient_predivide_factor = factor
+        self.process_set = process_set
         self._hvd = _compat.import_horovod()
 
-    def __call__(self, grads_and_vars: GradsAndVars) -> list:
-        hvd = self._hvd
-        grads_and_vars = list(grads_and_vars)
+    # -- helpers -------------------------------------------------------------------------
+
+    def _size(self) -> int:
+        return self.process_set.size() if self.process_set is not None else self._hvd.size()
+
+    def _set_kwargs(self) -> dict:
+        return {"process_set": self.process_set} if self.process_set is not None else {}
+
+    def _check_context(self) -> None:
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             raise ValueError(
                 "The Horovod backend cannot run inside a tf.distribute strategy with "
                 f"{tf.distribute.get_strategy().num_replicas_in_sync} replicas: the "
-                "gradients would be aggregated twice. Use `aggregate_gradients='strategy'` "
-                "inside the strategy, or Horovod without one."
-            )
-        if not hvd.is_initialized():
-            hvd.init()
-        if hvd.size() == 1:
-            return grads_and_vars
-        op = hvd.Average if self.reduction == "mean" else hvd.Sum
+                "gradients would be aggregated twice. Use aggregate_gradients='strategy' "
+                "inside the strategy, or Horovod without one.")
+        if not self._hvd.is_initialized():
+            self._hvd.init()
+
+    def _check_adasum(self, grads) -> None:
+        size = self._size()
+        if size & (size - 1):
+            raise ValueError(
+                "reduction='adasum' needs a power-of-two number of Horovod processes. "
+                f"Received: {size} processes")
+        if any(isinstance(g, tf.IndexedSlices) for g in grads):
+            raise ValueError(
+                "reduction='adasum' does not support sparse gradients (IndexedSlices); "
+                "pass sparse_as_dense=True. Received: sparse_as_dense=False")
+
+    # -- the aggregation -----------------------------------------------------------------
+
+    def __call__(self, grads_and_vars: GradsAndVars) -> list:
+        hvd = self._hvd
+        grads_and_vars = list(grads_and_vars)
+        self._check_context()
+        size = self._size()
         positions, grads = split_nones(grads_and_vars)
+        if size == 1 or not grads:
+            return grads_and_vars
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        dense_idx = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+        if self.reduction == "adasum":
+            self._check_adasum(grads)
+
         reduced = list(grads)
+        dense_idx = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
         if dense_idx:
-            out = hvd.grouped_allreduce([grads[i] for i in dense_idx], op=op)
+            out = hvd.grouped_allreduce([grads[i] for i in dense_idx], **self._allreduce_kwargs(size))
             for i, g in zip(dense_idx, out):
                 reduced[i] = g
         for i, g in enumerate(grads):
             if isinstance(g, tf.IndexedSlices):
-                values = hvd.allgather(g.values)
-                if op == hvd.Average:
-                    values = values / tf.cast(hvd.size(), values.dtype)
-                reduced[i] = tf.IndexedSlices(values, hvd.allgather(g.indices), g.dense_shape)
+                values = hvd.allgather(g.values, **self._set_kwargs())
+                if self.reduction == "mean":
+                    values = values / tf.cast(size, values.dtype)
+                indices = hvd.allgather(g.indices, **self._set_kwargs())
+                reduced[i] = tf.IndexedSlices(values, indices, g.dense_shape)
         return merge_nones(grads_and_vars, positions, reduced)
 
+    def _allreduce_kwargs(self, size: int) -> dict:
+        hvd = self._hvd
+        kwargs = dict(self._set_kwargs())
+        kwargs["compression"] = hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none
+        if self.reduction == "adasum":
+            kwargs["op"] = hvd.Adasum
+        elif self.reduction == "sum":
+            kwargs["op"] = hvd.Sum
+        elif self.gradient_predivide_factor != 1.0:
+            kwargs["op"] = hvd.Sum
+            kwargs["prescale_factor"] = 1.0 / self.gradient_predivide_factor
+            kwargs["postscale_factor"] = self.gradient_predivide_factor / size
+        else:
+            kwargs["op"] = hvd.Average
+        return kwargs
+
     def get_config(self) -> dict:
-        return {"reduction": self.reduction, "sparse_as_dense": self.sparse_as_dense}
+        if self.process_set is not None:
+            raise ValueError(
+                "A HorovodAggregator with a `process_set` cannot be serialised (process "
+                "sets exist only in a running job); recreate it after loading.")
+        return {
+            "reduction": self.reduction,
+            "compression": self.compression,
+            "sparse_as_dense": self.sparse_as_dense,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)

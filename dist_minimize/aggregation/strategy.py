@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import keras
 import tensorflow as tf
 
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
 
+@keras.saving.register_keras_serializable(package="dist_minimize")
 class StrategyAggregator(Aggregator):
     """One batched replica-context all-reduce (SUM) of every gradient of the step.
 

@@ -1,0 +1,195 @@
+"""Where this process sits in the job: rank, size, local rank, local size.
+
+The same answer under `horovodrun` (Gloo or MPI), plain `mpirun` (Open MPI), MPICH's
+hydra, Slurm's `srun`, and a tf.distribute `TF_CONFIG`, read from the variables each
+of them sets. Also: Horovod initialised from mpi4py communicators, and a check that
+mpi4py and Horovod use the same MPI library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+from typing import Any, Mapping, Sequence
+
+from dist_minimize import _compat
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+    """This process's place in the job.
+
+    Attributes:
+      rank: global index of this process, 0..size-1.
+      size: number of processes in the job.
+      local_rank: index among the processes on this host.
+      local_size: number of processes on this host.
+      launcher: what set the variables: "horovod", "openmpi", "pmi", "slurm",
+        "tf_config" or "single".
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    launcher: str
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+
+# (launcher, rank, size, local rank, local size) variable names, in order of precedence:
+# horovodrun --gloo sets HOROVOD_*, horovodrun --mpi and mpirun set OMPI_COMM_WORLD_*.
+_SCHEMES = [
+    ("horovod", "HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
+]
+
+
+def _int(environ: Mapping[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"`{name}` must be an integer. Received: {name}={value!r}") from None
+    if number < 0:
+        raise ValueError(f"`{name}` must be >= 0. Received: {name}={value!r}")
+    return number
+
+
+def slurm_tasks_on_node(environ: Mapping[str, str]) -> int:
+    """Tasks on this node from SLURM_TASKS_PER_NODE ("2(x3),1") and SLURM_NODEID."""
+    spec = environ.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return int(environ.get("SLURM_NTASKS_PER_NODE", "1"))
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"`SLURM_TASKS_PER_NODE` is not in Slurm's format. Received: "
+                             f"SLURM_TASKS_PER_NODE={spec!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    node = int(environ.get("SLURM_NODEID", "0"))
+    if node >= len(counts):
+        raise ValueError(f"`SLURM_NODEID` is past the nodes in SLURM_TASKS_PER_NODE. Received: "
+                         f"SLURM_NODEID={node}, SLURM_TASKS_PER_NODE={spec!r}")
+    return counts[node]
+
+
+def discover(environ: Mapping[str, str] | None = None) -> ClusterInfo:
+    """Returns this process's `ClusterInfo` from the launcher's environment variables.
+
+    Raises:
+      ValueError: a variable is malformed or inconsistent (rank >= size), naming it.
+    """
+    environ = os.environ if environ is None else environ
+    for launcher, rank, size, local_rank, local_size in _SCHEMES:
+        if rank in environ and size in environ:
+            info_rank, info_size = _int(environ, rank), _int(environ, size)
+            lr = _int(environ, local_rank) if local_rank and local_rank in environ else 0
+            if local_size and local_size in environ:
+                ls = _int(environ, local_size)
+            elif launcher == "slurm":
+                ls = slurm_tasks_on_node(environ)
+            else:
+                ls = 1
+            info = ClusterInfo(info_rank, info_size, lr, ls, launcher)
+            break
+    else:
+        info = _from_tf_config(environ) or ClusterInfo(0, 1, 0, 1, "single")
+    if info.size < 1 or info.rank >= info.size or info.local_rank >= max(info.local_size, 1):
+        raise ValueError(f"Inconsistent job environment ({info.launcher}): rank {info.rank}, "
+                         f"size {info.size}, local rank {info.local_rank}, local size {info.local_size}")
+    return info
+
+
+def _from_tf_config(environ: Mapping[str, str]) -> ClusterInfo | None:
+    raw = environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+        workers = config["cluster"].get("worker", []) + config["cluster"].get("chief", [])
+        task = config["task"]
+        index = int(task["index"]) + (len(config["cluster"].get("chief", [])) if task["type"] == "worker" else 0)
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"`TF_CONFIG` must be JSON with cluster.worker and task.type/index "
+                         f"({e}). Received: TF_CONFIG={raw!r}") from None
+    return ClusterInfo(index, len(workers), 0, 1, "tf_config")
+
+
+def init_horovod(comm: Any = None, process_set_comms: Sequence[Any] = ()) -> Any:
+    """Initialises Horovod, optionally on an mpi4py communicator; returns `horovod.tensorflow`.
+
+    Args:
+      comm: an mpi4py communicator (e.g. `MPI.COMM_WORLD` or a `Split` of it) whose
+        processes form the Horovod job; `None` for all launched processes.
+      process_set_comms: mpi4py communicators, each turned into a Horovod `ProcessSet`
+        registered at initialisation (see `hvd.ProcessSet`); every process must pass the
+        same list, in the same order.
+
+    Returns:
+      The `horovod.tensorflow` module; the process sets are in `hvd.process_sets`-order as
+      `init_horovod.process_sets` (also returned by `process_sets()`).
+    """
+    hvd = _compat.import_horovod()
+    sets = [hvd.ProcessSet(c) for c in process_set_comms]
+    kwargs: dict = {}
+    if comm is not None:
+        kwargs["comm"] = comm
+    if sets:
+        kwargs["process_sets"] = sets
+    hvd.init(**kwargs)
+    _registered[:] = sets
+    return hvd
+
+
+_registered: list = []
+
+
+def process_sets() -> list:
+    """The process sets `init_horovod` built from mpi4py communicators, in order."""
+    return list(_registered)
+
+
+def _linked_mpi(path: str) -> str | None:
+    out = subprocess.run(["ldd", path], capture_output=True, text=True, check=False).stdout
+    for line in out.splitlines():
+        if "libmpi.so" in line and "=>" in line:
+            return os.path.realpath(line.split("=>")[1].split("(")[0].strip())
+    return None
+
+
+def mpi_libraries() -> dict:
+    """The MPI shared library that mpi4py and Horovod's MPI backend each link to."""
+    import glob
+    import importlib.util
+
+    mpi = _compat.import_mpi4py()
+    hvd_spec = importlib.util.find_spec("horovod.tensorflow")
+    if hvd_spec is None or not hvd_spec.submodule_search_locations:
+        raise _compat.MissingDependencyError(f"Horovod is not installed. {_compat.SETUP_HINT}")
+    hvd_libs = glob.glob(os.path.join(hvd_spec.submodule_search_locations[0], "mpi_lib*.so"))
+    return {
+        "mpi4py": _linked_mpi(mpi.__file__),
+        "horovod": _linked_mpi(hvd_libs[0]) if hvd_libs else None,
+        "mpi4py_version": mpi.Get_library_version().strip().splitlines()[0],
+    }
+
+
+def check_same_mpi() -> str:
+    """Raises unless mpi4py and Horovod link to the same MPI library; returns its path."""
+    libs = mpi_libraries()
+    if not libs["mpi4py"] or libs["mpi4py"] != libs["horovod"]:
+        raise RuntimeError(
+            "mpi4py and Horovod use different MPI libraries (mpi4py: "
+            f"{libs['mpi4py']}, Horovod: {libs['horovod']}); rebuild mpi4py against "
+            f"Horovod's MPI. {_compat.SETUP_HINT}")
+    return libs["mpi4py"]

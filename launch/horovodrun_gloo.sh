@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# horovodrun (gloo) on NP processes (default 2) over HOSTS (default localhost:NP).
+#   NP=4 HOSTS=node1:2,node2:2 launch/horovodrun_gloo.sh launch/train.py --epochs 10
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+exec "${PYTHON:-.venv/bin/python}" launch/launch.py --launcher horovod-gloo -np "${NP:-2}" ${HOSTS:+-H "$HOSTS"} -- "$@"
