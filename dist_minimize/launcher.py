@@ -138,13 +138,14 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
 
 def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = None,
            hostfile: str | None = None, port: int | None = None, timeout: float | None = None,
-           python: str = sys.executable, out=sys.stdout) -> int:
+           python: str = sys.executable, out=None) -> int:
     """Runs `script` on `np` processes with `launcher`; returns the job's exit status.
 
     The first worker to exit non-zero sets the status and the others are stopped
     (SIGTERM, then SIGKILL after 10 s). Past `timeout` seconds every process is killed
     and the status is 124. The commands are printed first, exactly as run.
     """
+    out = out if out is not None else sys.stdout
     steps = plan(launcher, np, script, hosts, hostfile, port, python)
     base_env = dict(os.environ)
     for k, v in FAIL_FAST_ENV.items():
@@ -155,10 +156,12 @@ def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = No
         print(f"[launch] {prefix + ' ' if prefix else ''}{shlex.join(cmd)}", file=out, flush=True)
     for cmd, extra in steps:
         procs.append(subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True))
-    return _supervise(procs, timeout, out)
+    names = [os.path.basename(cmd[0]) if len(steps) == 1 else f"worker {i}"
+             for i, (cmd, _) in enumerate(steps)]
+    return _supervise(procs, names, timeout, out)
 
 
-def _supervise(procs: list, timeout: float | None, out) -> int:
+def _supervise(procs: list, names: list, timeout: float | None, out) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
     try:
@@ -167,8 +170,8 @@ def _supervise(procs: list, timeout: float | None, out) -> int:
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i, status = failed[0]
-                print(f"[launch] worker {i} exited with status {status}; stopping the others",
-                      file=out, flush=True)
+                others = "; stopping the others" if len(procs) > 1 else ""
+                print(f"[launch] {names[i]} exited with status {status}{others}", file=out, flush=True)
                 break
             if all(c == 0 for c in codes):
                 return 0

@@ -72,23 +72,29 @@ def shard_rows(x, y, shard: int, num_shards: int, global_batch: int = GLOBAL_BAT
     return x[idx], y[idx]
 
 
-def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip: bool = True):
+def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip: bool = True,
+                    aggregate="auto"):
     """A dist_minimize optimizer with a global-norm clipper, or stock Keras global_clipnorm."""
     inner = make_inner(keras, opt_name)
     if not use_dm:
         config = inner.get_config()
         config["global_clipnorm"] = CLIP_NORM if clip else None
         return type(inner).from_config(config)
-    return dm.Optimizer(inner, transform_gradients=[dm.clip_by_global_norm(CLIP_NORM)] if clip else None)
+    return dm.Optimizer(inner, aggregate_gradients=aggregate,
+                        transform_gradients=[dm.clip_by_global_norm(CLIP_NORM)] if clip else None)
 
 
 def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip: bool = True,
-          dataset=None, eager: bool = False, steps: int = STEPS):
+          dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
+          aggregate="auto", model_seed: int = 1, callbacks=()):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "callable" (custom loop with
     `minimize(loss_fn, vars)`), or "tape" (custom loop with a tensor loss and its tape).
     dataset: the input; default: the global batches, split across replicas in order.
+    loss_denominator: custom loops divide the sum of per-example losses by it (the
+      global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
+      "mean").
     """
     import dist_minimize as dm
     import keras
@@ -96,14 +102,15 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip: bool
 
     x, y = make_data(steps)
     with strategy.scope():
-        model = make_model(keras)
-        opt = build_optimizer(dm, keras, opt_name, use_dm, clip)
+        model = make_model(keras, seed=model_seed)
+        opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate)
     if dataset is None:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     if mode == "fit":
         with strategy.scope():
             model.compile(loss="mse", optimizer=opt, run_eagerly=eager)
-        model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps)
+        model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps,
+                  callbacks=list(callbacks))
         return weights(model), opt, model
 
     with strategy.scope():
@@ -115,7 +122,7 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip: bool
         def loss_fn():
             pred = model(xb, training=True)
             per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
-            return tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+            return tf.nn.compute_average_loss(per_example, global_batch_size=loss_denominator)
 
         if mode == "callable":
             opt.minimize(loss_fn, model.trainable_variables)
@@ -135,3 +142,42 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip: bool
     for _ in range(steps):
         step(next(it))
     return weights(model), opt, model
+
+
+def local_dataset(rank: int, size: int, steps: int = STEPS):
+    """Process `rank`'s rows of every global batch, batched at the local batch size."""
+    import tensorflow as tf
+
+    x, y = make_data(steps)
+    xs, ys = shard_rows(x, y, rank, size)
+    return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(GLOBAL_BATCH // size)
+
+
+def embedding_data(steps: int = STEPS):
+    """Token ids (repeated across the batch) and targets; the second half-batch is 50x larger."""
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 6, size=(steps * GLOBAL_BATCH, 4)).astype("int32")
+    y = rng.normal(size=(steps * GLOBAL_BATCH, 1)).astype("float32")
+    for s in range(steps):
+        y[s * GLOBAL_BATCH + GLOBAL_BATCH // 2:(s + 1) * GLOBAL_BATCH] *= 50.0
+    return ids, y
+
+
+def train_embedding(strategy, dataset, transforms=(), aggregate="auto", steps: int = STEPS):
+    """An Embedding model (sparse gradients) trained with model.fit; returns its weights."""
+    import dist_minimize as dm
+    import keras
+
+    with strategy.scope():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(6, 3),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(1),
+        ])
+        opt = dm.Optimizer(keras.optimizers.SGD(0.5), aggregate_gradients=aggregate,
+                           transform_gradients=[*transforms, dm.clip_by_global_norm(0.5)])
+        model.compile(loss="mse", optimizer=opt)
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps)
+    return weights(model)

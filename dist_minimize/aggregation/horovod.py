@@ -26,8 +26,10 @@ class HorovodAggregator(Aggregator):
     per-example losses over the global batch size), as tf.distribute does.
     `reduction="adasum"` combines gradients with Horovod's Adasum (a different update
     than the mean: use it knowingly); Horovod supports it only for a power-of-two
-    number of processes and dense gradients, and this aggregator refuses other cases
-    with a clear error before any collective runs.
+    number of processes, dense gradients and the global process set, and this
+    aggregator refuses other cases with a clear error before any collective runs.
+    (Adasum issues one `hvd.allreduce` per tensor: Horovod 0.28.1's `grouped_allreduce`
+    fails with Adasum.)
 
     All dense gradients of the step go into a single `hvd.grouped_allreduce` call.
     `IndexedSlices` (an `Embedding` gradient) are densified first when
@@ -112,6 +114,10 @@ class HorovodAggregator(Aggregator):
             self._hvd.init()
 
     def _check_adasum(self, grads) -> None:
+        if self.process_set is not None:
+            raise ValueError(
+                "reduction='adasum' works only on the global process set in Horovod 0.28.1. "
+                f"Received: process_set={self.process_set!r}")
         size = self._size()
         if size & (size - 1):
             raise ValueError(
@@ -139,7 +145,14 @@ class HorovodAggregator(Aggregator):
 
         reduced = list(grads)
         dense_idx = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
-        if dense_idx:
+        if dense_idx and self.reduction == "adasum":
+            # Horovod 0.28.1's grouped_allreduce fails for Adasum (it reads a
+            # comprehension variable out of scope, horovod/tensorflow/__init__.py:340),
+            # so Adasum goes tensor by tensor through hvd.allreduce.
+            kwargs = self._allreduce_kwargs(size)
+            for i in dense_idx:
+                reduced[i] = hvd.allreduce(grads[i], **kwargs)
+        elif dense_idx:
             out = hvd.grouped_allreduce([grads[i] for i in dense_idx], **self._allreduce_kwargs(size))
             for i, g in zip(dense_idx, out):
                 reduced[i] = g

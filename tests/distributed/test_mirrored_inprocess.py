@@ -60,40 +60,16 @@ def test_nonfinite_on_one_replica_is_skipped_by_all(bad_replica, use_function):
     np.testing.assert_array_equal(a, b)
 
 
-def embedding_data():
-    rng = np.random.default_rng(3)
-    ids = rng.integers(0, 6, size=(P.STEPS * P.GLOBAL_BATCH, 4)).astype("int32")
-    y = rng.normal(size=(P.STEPS * P.GLOBAL_BATCH, 1)).astype("float32")
-    y[P.GLOBAL_BATCH // 2:] *= 50.0
-    return ids, y
-
-
-def train_embedding(strat, seen):
-    ids, y = embedding_data()
+def test_embedding_sparse_gradients_match_single_device_and_stay_sparse():
+    seen = []
 
     def record(gv):
         seen.append(type(gv[0][0]).__name__)
         return gv
 
-    with strat.scope():
-        keras.utils.set_random_seed(7)
-        model = keras.Sequential([
-            keras.Input((4,), dtype="int32"),
-            keras.layers.Embedding(6, 3),
-            keras.layers.GlobalAveragePooling1D(),
-            keras.layers.Dense(1),
-        ])
-        opt = dm.Optimizer(keras.optimizers.SGD(0.5),
-                           transform_gradients=[record, dm.clip_by_global_norm(0.5)])
-        model.compile(loss="mse", optimizer=opt)
+    ids, y = P.embedding_data()
     ds = tf.data.Dataset.from_tensor_slices((ids, y)).batch(P.GLOBAL_BATCH)
-    model.fit(ds, epochs=1, verbose=0, shuffle=False)
-    return P.weights(model)
-
-
-def test_embedding_sparse_gradients_match_single_device_and_stay_sparse():
-    seen_ref, seen = [], []
-    ref = train_embedding(tf.distribute.get_strategy(), seen_ref)
-    got = train_embedding(strategy(), seen)
+    ref = P.train_embedding(tf.distribute.get_strategy(), ds)
+    got = P.train_embedding(strategy(), ds, transforms=[record])
     assert P.max_abs_diff(ref, got) <= 1e-6
     assert seen and set(seen) == {"IndexedSlices"}  # aggregated, still sparse

@@ -1,0 +1,165 @@
+"""One rank of a Horovod test job (run under horovodrun or mpirun); writes JSON results.
+
+Usage: horovod_worker.py OUT_DIR SCENARIO
+  parity   (np=2)  parity cases, allreduce counting, sum, fp16, predivide, sparse,
+                   broadcast, metric averaging
+  mpi      (np=2, MPI)  Horovod initialised from an mpi4py sub-communicator; Adasum;
+                   mpi4py/Horovod library check
+  three    (np=3, MPI)  Adasum refused on 3 processes; a process set built from an mpi4py
+                   communicator (ranks 0, 1) trains with parity while rank 2 stays out
+Each rank writes OUT_DIR/rank{R}.json.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import dist_minimize as dm  # noqa: E402
+import parity_lib as P  # noqa: E402
+
+out_dir, scenario = sys.argv[1], sys.argv[2]
+results = {}
+default = tf.distribute.get_strategy()
+
+
+def lists(ws):
+    return [w.tolist() for w in ws]
+
+
+class CountingHorovod:
+    """Counts grouped_allreduce / allreduce calls made through the Horovod module."""
+
+    def __init__(self, hvd):
+        self.hvd, self.counts = hvd, {"grouped_allreduce": 0, "allreduce": 0}
+        for name in self.counts:
+            original = getattr(hvd, name)
+
+            def counted(*a, _name=name, _orig=original, **k):
+                self.counts[_name] += 1
+                return _orig(*a, **k)
+
+            setattr(hvd, name, counted)
+
+    def take(self):
+        c = dict(self.counts)
+        for k in self.counts:
+            self.counts[k] = 0
+        return c
+
+
+if scenario == "parity":
+    hvd = dm.horovod_keras.init()
+    rank, size = hvd.rank(), hvd.size()
+    counter = CountingHorovod(hvd)
+    local = P.GLOBAL_BATCH // size
+    for opt_name in ("sgd", "adam"):
+        for mode, eager in (("fit", False), ("callable", False), ("callable_eager", True)):
+            w, opt, _ = P.train(default, opt_name, mode.split("_")[0], eager=eager,
+                                dataset=P.local_dataset(rank, size), loss_denominator=local)
+            results[f"{opt_name}/{mode}"] = {"weights": lists(w), "calls": counter.take(),
+                                             "iterations": int(opt.iterations.numpy())}
+    sum_agg = dm.aggregation.HorovodAggregator(reduction="sum")
+    w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
+                      loss_denominator=P.GLOBAL_BATCH, aggregate=sum_agg)
+    results["sum"] = {"weights": lists(w)}
+    fp16 = dm.aggregation.HorovodAggregator(compression="fp16")
+    w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
+                      loss_denominator=local, aggregate=fp16)
+    results["fp16"] = {"weights": lists(w)}
+    pre = dm.aggregation.HorovodAggregator(gradient_predivide_factor=2.0)
+    w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
+                      loss_denominator=local, aggregate=pre)
+    results["predivide"] = {"weights": lists(w)}
+    ids, y = P.embedding_data()
+    ids_l, y_l = P.shard_rows(ids, y, rank, size)
+    for dense in (False, True):
+        ds = tf.data.Dataset.from_tensor_slices((ids_l, y_l)).batch(local)
+        agg = dm.aggregation.HorovodAggregator(sparse_as_dense=dense)
+        results[f"embedding/dense={dense}"] = {"weights": lists(P.train_embedding(default, ds, aggregate=agg))}
+
+    # Broadcast: each rank starts from different weights (seed 1 + rank); the callback
+    # must put rank 0's on every rank before the first step.
+    seen = {}
+
+    class FirstBatchWeights(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 0:
+                seen["w"] = lists(P.weights(self.model))
+
+    w, _, model = P.train(default, "adam", "fit", dataset=P.local_dataset(rank, size),
+                          model_seed=1 + rank,
+                          callbacks=[dm.horovod_keras.BroadcastVariablesCallback(), FirstBatchWeights()])
+    results["broadcast"] = {"first_step_weights": seen["w"], "weights": lists(w),
+                            "rank0_initial": lists(P.weights(P.make_model(keras, seed=1)))}
+
+    # Metric averaging: each rank logs its rank; the average over 2 ranks is 0.5.
+    recorded = {}
+
+    class LogRank(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            logs["rank_value"] = float(rank)
+            recorded["local_loss"] = float(logs["loss"])
+
+    class Record(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            recorded["rank_value"] = logs["rank_value"]
+            recorded["loss"] = logs["loss"]
+
+    P.train(default, "sgd", "fit", dataset=P.local_dataset(rank, size),
+            callbacks=[LogRank(), dm.horovod_keras.MetricAverageCallback(), Record()])
+    losses = hvd.allgather(tf.constant([recorded["local_loss"]])).numpy().tolist()
+    results["metric_average"] = {**recorded, "all_local_losses": losses}
+
+elif scenario == "mpi":
+    from mpi4py import MPI
+
+    sub = MPI.COMM_WORLD.Split(color=0, key=MPI.COMM_WORLD.Get_rank())
+    hvd = dm.cluster.init_horovod(comm=sub)
+    rank, size = hvd.rank(), hvd.size()
+    results["init"] = {"hvd_rank": rank, "hvd_size": size, "mpi_rank": MPI.COMM_WORLD.Get_rank(),
+                       "mpi_enabled": bool(hvd.mpi_enabled()),
+                       "same_mpi": dm.cluster.check_same_mpi()}
+    results["discover"] = dm.cluster.discover().__dict__
+    for opt_name in ("sgd", "adam"):
+        for mode in ("fit", "callable"):
+            w, _, _ = P.train(default, opt_name, mode, dataset=P.local_dataset(rank, size),
+                              loss_denominator=P.GLOBAL_BATCH // size)
+            results[f"{opt_name}/{mode}"] = {"weights": lists(w)}
+    a = tf.constant([1.0, 2.0, -1.0]) if rank == 0 else tf.constant([0.5, -1.0, 3.0])
+    agg = dm.aggregation.HorovodAggregator(reduction="adasum")
+    [(g, _)] = agg([(a, tf.Variable(tf.zeros(3)))])
+    results["adasum"] = {"local": a.numpy().tolist(), "result": g.numpy().tolist()}
+
+elif scenario == "three":
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    pair = world.Split(color=0 if world.Get_rank() < 2 else 1, key=world.Get_rank())
+    hvd = dm.cluster.init_horovod(comm=world, process_set_comms=[pair])
+    rank, size = hvd.rank(), hvd.size()
+    try:
+        dm.aggregation.HorovodAggregator(reduction="adasum")([(tf.ones(2), tf.Variable(tf.zeros(2)))])
+        results["adasum_error"] = None
+    except ValueError as e:
+        results["adasum_error"] = str(e)
+    [pset] = dm.cluster.process_sets()
+    results["process_set"] = {"ranks": list(pset.ranks), "size": pset.size()}
+    if rank < 2:
+        agg = dm.aggregation.HorovodAggregator(process_set=pset)
+        w, _, _ = P.train(default, "adam", "callable", dataset=P.local_dataset(rank, 2),
+                          loss_denominator=P.GLOBAL_BATCH // 2, aggregate=agg)
+        results["process_set"]["weights"] = lists(w)
+    hvd.join()
+else:
+    raise SystemExit(f"unknown scenario {scenario!r}")
+
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump(results, f)
+print(f"rank {rank} done", flush=True)

@@ -1,0 +1,175 @@
+"""Horovod: parity with a single device under horovodrun (Gloo and MPI), the backend's
+options, Keras 3 integration, mpi4py, and failing workers. Each job is bounded by a
+timeout and its processes are killed when it ends."""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parity_lib as P
+import proc
+
+pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed (bash ci/setup.sh builds it)")
+
+from dist_minimize import launcher  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+DEFAULT = tf.distribute.get_strategy()
+_jobs = {}
+
+
+def job(launcher_name: str, np_: int, scenario: str, tmp_root) -> list:
+    key = (launcher_name, np_, scenario)
+    if key not in _jobs:
+        out = tmp_root / f"{launcher_name}-{np_}-{scenario}"
+        out.mkdir()
+        log = out / "log.txt"
+        with open(log, "w") as f:
+            rc = launcher.launch(launcher_name, np_, [os.path.join(proc.ROOT, "tests/distributed/horovod_worker.py"),
+                                                      str(out), scenario], timeout=400, out=f)
+        assert rc == 0, f"{launcher_name} job exited {rc}:\n{log.read_text()[-5000:]}"
+        _jobs[key] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
+    return _jobs[key]
+
+
+@pytest.fixture(scope="module")
+def tmp_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("horovod")
+
+
+def arrays(ws):
+    return [np.array(w, dtype=np.float32) for w in ws]
+
+
+def reference(opt_name, mode):
+    w, _, _ = P.train(DEFAULT, opt_name, mode, aggregate="none")
+    return w
+
+
+@pytest.mark.parametrize("launcher_name,scenario", [("horovod-gloo", "parity"), ("horovod-mpi", "mpi")])
+@pytest.mark.parametrize("case", ["sgd/fit", "sgd/callable", "adam/fit", "adam/callable"])
+def test_parity_with_single_device(tmp_root, launcher_name, scenario, case):
+    ranks = job(launcher_name, 2, scenario, tmp_root)
+    ref = reference(*case.split("/"))
+    for r in ranks:
+        assert P.max_abs_diff(ref, arrays(r[case]["weights"])) <= 1e-6
+    assert ranks[0][case]["weights"] == ranks[1][case]["weights"]
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_eager_custom_loop_parity(tmp_root, opt_name):
+    ranks = job("horovod-gloo", 2, "parity", tmp_root)
+    ref = reference(opt_name, "callable")
+    for r in ranks:
+        assert P.max_abs_diff(ref, arrays(r[f"{opt_name}/callable_eager"]["weights"])) <= 1e-6
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("sgd/fit", 1), ("adam/fit", 1),               # traced once: one grouped call per step
+    ("sgd/callable", 1), ("adam/callable", 1),
+    ("sgd/callable_eager", P.STEPS), ("adam/callable_eager", P.STEPS),  # eager: one per step
+])
+def test_one_grouped_allreduce_per_step(tmp_root, case, expected):
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        assert r[case]["calls"] == {"grouped_allreduce": expected, "allreduce": 0}, r[case]["calls"]
+        assert r[case]["iterations"] == P.STEPS
+
+
+def test_sum_reduction_with_global_batch_loss(tmp_root):
+    ref = reference("sgd", "callable")
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        assert P.max_abs_diff(ref, arrays(r["sum"]["weights"])) <= 1e-6
+
+
+def test_predivide_factor_keeps_the_average(tmp_root):
+    ref = reference("sgd", "callable")
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        assert P.max_abs_diff(ref, arrays(r["predivide"]["weights"])) <= 1e-6
+
+
+def test_fp16_compression_within_tolerance(tmp_root):
+    """fp16 rounds each gradient element with relative error <= 2**-11 (~4.9e-4) before
+    the sum. Each SGD step moves the weights by lr * (a clipped gradient of norm <= 0.5),
+    so the error per step is <= 0.1 * 0.5 * 2 * 4.9e-4 ~ 5e-5; over 4 steps (and tanh
+    layers that pass errors on with gain < 10) it stays far below 1e-3, while a wrong
+    aggregation (e.g. a sum instead of a mean) is off by ~1e-2."""
+    ranks = job("horovod-gloo", 2, "parity", tmp_root)
+    ref = reference("sgd", "callable")
+    diffs = [P.max_abs_diff(ref, arrays(r["fp16"]["weights"])) for r in ranks]
+    assert max(diffs) <= 1e-3, diffs
+    assert ranks[0]["fp16"]["weights"] == ranks[1]["fp16"]["weights"]
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_sparse_gradients_allgathered_or_densified(tmp_root, dense):
+    ids, y = P.embedding_data()
+    ref = P.train_embedding(DEFAULT, tf.data.Dataset.from_tensor_slices((ids, y)).batch(P.GLOBAL_BATCH),
+                            aggregate="none")
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        assert P.max_abs_diff(ref, arrays(r[f"embedding/dense={dense}"]["weights"])) <= 1e-6
+
+
+def test_broadcast_puts_rank0_weights_everywhere_before_the_first_step(tmp_root):
+    ranks = job("horovod-gloo", 2, "parity", tmp_root)
+    rank0_initial = ranks[0]["broadcast"]["rank0_initial"]
+    for r in ranks:
+        assert r["broadcast"]["first_step_weights"] == rank0_initial
+    ref = reference("adam", "fit")
+    for r in ranks:
+        assert P.max_abs_diff(ref, arrays(r["broadcast"]["weights"])) <= 1e-6
+
+
+def test_metric_average_is_the_global_mean(tmp_root):
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        m = r["metric_average"]
+        assert m["rank_value"] == 0.5
+        assert m["loss"] == pytest.approx(float(np.mean(m["all_local_losses"])), rel=1e-6)
+
+
+def test_mpi_init_from_mpi4py_subcommunicator_and_same_library(tmp_root):
+    ranks = job("horovod-mpi", 2, "mpi", tmp_root)
+    for i, r in enumerate(ranks):
+        assert r["init"]["hvd_rank"] == i and r["init"]["hvd_size"] == 2 and r["init"]["mpi_enabled"]
+        assert "libmpi.so" in r["init"]["same_mpi"]
+        assert r["discover"] == {"rank": i, "size": 2, "local_rank": i, "local_size": 2, "launcher": "openmpi"}
+
+
+def test_adasum_on_two_processes_matches_its_formula(tmp_root):
+    ranks = job("horovod-mpi", 2, "mpi", tmp_root)
+    a, b = (np.array(r["adasum"]["local"], np.float64) for r in ranks)
+    dot = a @ b
+    want = (1 - dot / (2 * a @ a)) * a + (1 - dot / (2 * b @ b)) * b
+    for r in ranks:
+        np.testing.assert_allclose(r["adasum"]["result"], want, rtol=1e-5)
+
+
+def test_adasum_refused_on_three_and_process_set_parity(tmp_root):
+    ranks = job("horovod-mpi", 3, "three", tmp_root)
+    for r in ranks:
+        assert "power-of-two" in r["adasum_error"] and "3 processes" in r["adasum_error"]
+    assert ranks[0]["process_set"]["ranks"] == [0, 1] and ranks[2]["process_set"]["ranks"] == [2]
+    ref = reference("adam", "callable")
+    for r in ranks[:2]:
+        assert P.max_abs_diff(ref, arrays(r["process_set"]["weights"])) <= 1e-6
+
+
+@pytest.mark.parametrize("launcher_name", ["horovod-gloo", "horovod-mpi"])
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_failing_worker_ends_the_job_quickly(tmp_path, launcher_name, mode):
+    log = tmp_path / "log.txt"
+    start = time.monotonic()
+    with open(log, "w") as f:
+        rc = launcher.launch(launcher_name, 2, [os.path.join(proc.ROOT, "tests/distributed/failing_worker.py"), mode],
+                             timeout=120, out=f)
+    elapsed = time.monotonic() - start
+    text = log.read_text()
+    assert rc not in (0, 124), text[-3000:]
+    assert elapsed < 60, f"took {elapsed:.0f} s"
+    assert "exited with status" in text
+    if mode == "raise":
+        assert "planted failure on rank 1" in text or "exited with non-zero status" in text
