@@ -138,12 +138,14 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
 
 def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = None,
            hostfile: str | None = None, port: int | None = None, timeout: float | None = None,
-           python: str = sys.executable, out=None) -> int:
+           python: str = sys.executable, out=None, child_output=None) -> int:
     """Runs `script` on `np` processes with `launcher`; returns the job's exit status.
 
     The first worker to exit non-zero sets the status and the others are stopped
     (SIGTERM, then SIGKILL after 10 s). Past `timeout` seconds every process is killed
-    and the status is 124. The commands are printed first, exactly as run.
+    and the status is 124. The commands are printed first, exactly as run, to `out`
+    (default: stdout); the workers' own output goes to `child_output` (a file) if given,
+    else to this process's stdout/stderr.
     """
     out = out if out is not None else sys.stdout
     steps = plan(launcher, np, script, hosts, hostfile, port, python)
@@ -155,7 +157,8 @@ def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = No
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
         print(f"[launch] {prefix + ' ' if prefix else ''}{shlex.join(cmd)}", file=out, flush=True)
     for cmd, extra in steps:
-        procs.append(subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True))
+        redirect = {"stdout": child_output, "stderr": subprocess.STDOUT} if child_output else {}
+        procs.append(subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True, **redirect))
     names = [os.path.basename(cmd[0]) if len(steps) == 1 else f"worker {i}"
              for i, (cmd, _) in enumerate(steps)]
     return _supervise(procs, names, timeout, out)

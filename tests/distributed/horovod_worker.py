@@ -34,23 +34,30 @@ def lists(ws):
 
 
 class CountingHorovod:
-    """Counts grouped_allreduce / allreduce calls made through the Horovod module."""
+    """Counts EXECUTED grouped_allreduce / allreduce calls made through the Horovod module.
+
+    Each call also increments a variable when it runs (eagerly, or as part of a traced
+    step), so retracing does not inflate the count and every executed step counts.
+    """
 
     def __init__(self, hvd):
-        self.hvd, self.counts = hvd, {"grouped_allreduce": 0, "allreduce": 0}
-        for name in self.counts:
+        self.hvd = hvd
+        self.counts = {name: tf.Variable(0, dtype=tf.int64) for name in ("grouped_allreduce", "allreduce")}
+        for name, var in self.counts.items():
             original = getattr(hvd, name)
 
-            def counted(*a, _name=name, _orig=original, **k):
-                self.counts[_name] += 1
-                return _orig(*a, **k)
+            def counted(*a, _var=var, _orig=original, **k):
+                out = _orig(*a, **k)
+                with tf.control_dependencies(tf.nest.flatten(out)):
+                    _var.assign_add(1)
+                return out
 
             setattr(hvd, name, counted)
 
     def take(self):
-        c = dict(self.counts)
-        for k in self.counts:
-            self.counts[k] = 0
+        c = {k: int(v.numpy()) for k, v in self.counts.items()}
+        for v in self.counts.values():
+            v.assign(0)
         return c
 
 

@@ -31,7 +31,7 @@ def job(launcher_name: str, np_: int, scenario: str, tmp_root) -> list:
         log = out / "log.txt"
         with open(log, "w") as f:
             rc = launcher.launch(launcher_name, np_, [os.path.join(proc.ROOT, "tests/distributed/horovod_worker.py"),
-                                                      str(out), scenario], timeout=400, out=f)
+                                                      str(out), scenario], timeout=400, out=f, child_output=f)
         assert rc == 0, f"{launcher_name} job exited {rc}:\n{log.read_text()[-5000:]}"
         _jobs[key] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
     return _jobs[key]
@@ -69,14 +69,12 @@ def test_eager_custom_loop_parity(tmp_root, opt_name):
         assert P.max_abs_diff(ref, arrays(r[f"{opt_name}/callable_eager"]["weights"])) <= 1e-6
 
 
-@pytest.mark.parametrize("case,expected", [
-    ("sgd/fit", 1), ("adam/fit", 1),               # traced once: one grouped call per step
-    ("sgd/callable", 1), ("adam/callable", 1),
-    ("sgd/callable_eager", P.STEPS), ("adam/callable_eager", P.STEPS),  # eager: one per step
-])
-def test_one_grouped_allreduce_per_step(tmp_root, case, expected):
+@pytest.mark.parametrize("case", ["sgd/fit", "adam/fit", "sgd/callable", "adam/callable",
+                                  "sgd/callable_eager", "adam/callable_eager"])
+def test_one_grouped_allreduce_per_step(tmp_root, case):
+    """Executed collectives are counted (a variable incremented by each call as it runs)."""
     for r in job("horovod-gloo", 2, "parity", tmp_root):
-        assert r[case]["calls"] == {"grouped_allreduce": expected, "allreduce": 0}, r[case]["calls"]
+        assert r[case]["calls"] == {"grouped_allreduce": P.STEPS, "allreduce": 0}, r[case]["calls"]
         assert r[case]["iterations"] == P.STEPS
 
 
@@ -165,11 +163,11 @@ def test_failing_worker_ends_the_job_quickly(tmp_path, launcher_name, mode):
     start = time.monotonic()
     with open(log, "w") as f:
         rc = launcher.launch(launcher_name, 2, [os.path.join(proc.ROOT, "tests/distributed/failing_worker.py"), mode],
-                             timeout=120, out=f)
+                             timeout=120, out=f, child_output=f)
     elapsed = time.monotonic() - start
     text = log.read_text()
     assert rc not in (0, 124), text[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert "exited with status" in text
     if mode == "raise":
-        assert "planted failure on rank 1" in text or "exited with non-zero status" in text
+        assert "planted failure on rank 1" in text
