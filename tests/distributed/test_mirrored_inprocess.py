@@ -73,3 +73,14 @@ def test_embedding_sparse_gradients_match_single_device_and_stay_sparse():
     got = P.train_embedding(strategy(), ds, transforms=[record])
     assert P.max_abs_diff(ref, got) <= 1e-6
     assert seen and set(seen) == {"IndexedSlices"}  # aggregated, still sparse
+
+
+def test_horovod_backend_inside_a_strategy_is_refused():
+    pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed (bash ci/setup.sh builds it)")
+    s = strategy()
+    with s.scope():
+        v = tf.Variable([1.0])
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="horovod")
+        opt.build([v])
+    with pytest.raises(ValueError, match="aggregated twice"):
+        s.run(lambda: opt.apply_gradients([(tf.constant([1.0]), v)]))
