@@ -25,7 +25,9 @@ from dist_minimize.transforms import (
     clip_by_value,
     global_norm,
 )
+from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps, limit_nonfinite_steps
 from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer
 
 __version__ = "0.1.0"
 
@@ -33,7 +35,10 @@ __all__ = [
     "ClipByGlobalNorm",
     "ClipByNorm",
     "ClipByValue",
+    "GradientAccumulation",
     "GradientTransform",
+    "LimitNonFiniteSteps",
+    "LossScaleOptimizer",
     "MissingDependencyError",
     "Optimizer",
     "OptimizerWrapper",
@@ -44,6 +49,7 @@ __all__ = [
     "cluster",
     "horovod_keras",
     "launcher",
+    "limit_nonfinite_steps",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",

@@ -72,3 +72,21 @@ def inner_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.Strat
 def strategy_uses_merge_call() -> bool:
     """Whether the current strategy needs `merge_call` for cross-replica updates."""
     return not tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def add_replica_local_variable(optimizer: keras.optimizers.Optimizer, reference: Any, name: str) -> Any:
+    """A zero variable shaped like `reference` that each replica keeps for itself.
+
+    tf.distribute's sync-on-read (SUM) variable: in the replica context every replica
+    reads and writes its own copy without communication; read in the cross-replica
+    context (and so in checkpoints) it is the sum of the copies. It is tracked by
+    `optimizer`, so it is checkpointed and saved with it.
+    """
+    ref = reference.value if isinstance(reference, keras.Variable) else reference
+    strategy = getattr(optimizer, "_distribution_strategy", None) or tf.distribute.get_strategy()
+    with strategy.extended.colocate_vars_with(ref), keras.name_scope(optimizer.name, caller=optimizer):
+        variable = keras.Variable(
+            initializer=keras.initializers.Zeros(), shape=tuple(reference.shape), dtype=reference.dtype,
+            trainable=False, synchronization="on_read", aggregation="sum", name=name)
+    optimizer._track_variable(variable)
+    return variable

@@ -158,10 +158,7 @@ class StagedOptimizer(keras.optimizers.Optimizer):
         if aggregate:
             grads_and_vars = self._run_stage(
                 "transform_unaggregated_gradients", self.transform_unaggregated_gradients, grads_and_vars)
-            grads_and_vars = self._run_stage(
-                "aggregate_gradients", self.aggregate_gradients, grads_and_vars)
-        grads_and_vars = self._run_stage("transform_gradients", self.transform_gradients, grads_and_vars)
-        self._guarded_apply(grads_and_vars)
+        self._aggregate_and_apply(self, grads_and_vars, aggregate)
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
@@ -186,6 +183,18 @@ class StagedOptimizer(keras.optimizers.Optimizer):
     def _run_stage(name: str, fn: Callable, grads_and_vars: list) -> list:
         return _stages.check_stage_output(name, grads_and_vars, fn(list(grads_and_vars)))
 
+    def _aggregate_and_apply(self, top: "StagedOptimizer", grads_and_vars: list, aggregate: bool) -> None:
+        """The step after `transform_unaggregated_gradients`, with `top`'s stages.
+
+        `top` is the outermost optimizer (the one `apply_gradients` was called on).
+        Wrappers pass this call inward, so a wrapper that changes WHEN the rest of the
+        step happens (gradient accumulation) can do so wherever it sits in a stack.
+        """
+        if aggregate:
+            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
+        grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
+        top._guarded_apply(grads_and_vars)
+
     # -- non-finite guard --------------------------------------------------------------
 
     @property
@@ -206,33 +215,59 @@ class StagedOptimizer(keras.optimizers.Optimizer):
         """Runs `apply_updates` when `condition` holds, else `on_skip` (default: count a skip).
 
         `condition` must be identical on every replica (derive it from aggregated
-        gradients). Under strategies that synchronise through `merge_call` (all CPU
-        strategies), the branch is taken once in the cross-replica context and the
-        update then runs on every replica, which is how tf.distribute allows collective
-        updates under a condition inside `tf.function`.
+        gradients or from replicated counters). See `run_if`.
         """
-        skip = on_skip if on_skip is not None else self._record_skip
+        self.run_if(condition, self.apply_updates, args=(grads_and_vars,),
+                    otherwise=on_skip if on_skip is not None else self._record_skip)
+
+    @staticmethod
+    def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Callable | None = None) -> None:
+        """Runs `fn(*args)` on every replica when the agreed `condition` holds, else `otherwise()`.
+
+        `fn` may use collectives and variable updates. Under strategies that synchronise
+        through `merge_call` (every CPU strategy), tf.distribute does not allow a
+        `merge_call` inside a `tf.cond` taken per replica (what makes Keras's own
+        accumulation and EMA overwrite fail under MirroredStrategy). So the branch is
+        taken once, in the cross-replica context, on replica 0's `condition` (equal on
+        all, by contract), and `fn` then runs on every replica. `otherwise` runs once
+        there; elsewhere (no strategy, Horovod) both run in each process.
+        """
+        otherwise = otherwise if otherwise is not None else (lambda: None)
         ctx = tf.distribute.get_replica_context()
         if (tf.distribute.has_strategy() and ctx is not None
                 and _compat.strategy_uses_merge_call()):
-            def cross_replica(strategy, condition, grads_and_vars):
+            def cross_replica(strategy, condition, args):
                 agreed = strategy.experimental_local_results(condition)[0]
 
-                def run_update():
-                    strategy.extended.call_for_each_replica(self.apply_updates, args=(grads_and_vars,))
+                def run():
+                    strategy.extended.call_for_each_replica(fn, args=args)
 
-                tf.cond(agreed, run_update, skip)
+                tf.cond(agreed, run, otherwise)
 
-            ctx.merge_call(cross_replica, args=(condition, grads_and_vars))
+            ctx.merge_call(cross_replica, args=(condition, args))
         elif tf.executing_eagerly():
             if bool(condition):
-                self.apply_updates(grads_and_vars)
+                fn(*args)
             else:
-                skip()
+                otherwise()
         else:
-            tf.cond(condition, lambda: self.apply_updates(grads_and_vars), skip)
+            tf.cond(condition, lambda: fn(*args), otherwise)
 
     # -- Keras optimizer surface -------------------------------------------------------
+
+    def __setattr__(self, name, value):
+        # Keras's LossScaleOptimizer sets `inner_optimizer.loss_scale_factor = None` when
+        # it wraps an optimizer (model.compile does so under a mixed_float16 policy).
+        # It would decide skips from one replica's gradients: refuse at compile time.
+        if name == "loss_scale_factor" and getattr(self, "_dm_constructed", False):
+            raise TypeError(
+                "A dist_minimize optimizer must not be wrapped in Keras's LossScaleOptimizer "
+                "(it decides whether to skip a step from one replica's unaggregated "
+                "gradients). Under a mixed_float16 policy, compile with "
+                "`model.compile(..., auto_scale_loss=False)` and use "
+                "`dist_minimize.LossScaleOptimizer`. Received: an attempt to set "
+                f"loss_scale_factor={value!r} on {type(self).__name__}")
+        super().__setattr__(name, value)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         raise ValueError("dist_minimize optimizers are stateful (TensorFlow backend only).")
@@ -350,6 +385,7 @@ class Optimizer(StagedOptimizer):
         self._gradient_fns = tuple(gradient_fns)
         self._skip_nonfinite = skip_nonfinite
         self._skipped_steps = None
+        self._dm_constructed = True
 
     # -- stages --------------------------------------------------------------------------
 

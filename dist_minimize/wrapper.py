@@ -44,6 +44,7 @@ class OptimizerWrapper(StagedOptimizer):
                 f"{optimizer!r} of type {type(optimizer).__name__}")
         super().__init__(learning_rate=0.0, name=name)
         self.wrapped = optimizer
+        self._dm_constructed = True
 
     # -- stages: delegate ----------------------------------------------------------------
 
@@ -64,6 +65,19 @@ class OptimizerWrapper(StagedOptimizer):
 
     def apply_updates(self, grads_and_vars):
         self.wrapped.apply_updates(grads_and_vars)
+
+    def _aggregate_and_apply(self, top, grads_and_vars, aggregate):
+        self.wrapped._aggregate_and_apply(top, grads_and_vars, aggregate)
+
+    def _find(self, kind: type):
+        """The first optimizer of type `kind` in this wrapper's chain (excluding self)."""
+        opt = self.wrapped
+        while True:
+            if isinstance(opt, kind):
+                return opt
+            if not isinstance(opt, OptimizerWrapper):
+                return None
+            opt = opt.wrapped
 
     # -- state: delegate -----------------------------------------------------------------
 

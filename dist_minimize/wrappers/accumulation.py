@@ -1,0 +1,100 @@
+"""Gradient accumulation: K micro-batches per update, aggregated once per update."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from dist_minimize import _compat
+from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.wrapper import OptimizerWrapper
+
+
+@keras.saving.register_keras_serializable(package="dist_minimize")
+class GradientAccumulation(OptimizerWrapper):
+    """Sums gradients of `steps` micro-batches locally, then runs ONE aggregation and update.
+
+    Each call of `apply_gradients` (each `model.fit` batch, each `minimize`) is a
+    micro-step: `transform_unaggregated_gradients` runs, and the result is added to a
+    per-replica accumulator (no communication). Every `steps`-th micro-step the mean of
+    the accumulated gradients goes through the rest of the pipeline once:
+    `aggregate_gradients` (one collective per update, not per micro-step),
+    `transform_gradients` (the global-norm clipper and loss-scale unscaling act on the
+    accumulated gradient), the non-finite guard and `apply_updates`; then the
+    accumulators are zeroed. With equal micro-batches, the update equals one step on the
+    `steps`-times larger batch. `iterations` counts updates, not micro-steps.
+
+    The boundary decision comes from a replicated micro-step counter, so it is the same
+    on every replica and worker; under tf.distribute it is taken in the cross-replica
+    context (see `StagedOptimizer.run_if`), so it works in `model.fit` and in
+    `tf.function` under MirroredStrategy, where Keras's own
+    `gradient_accumulation_steps` fails.
+
+    Accumulated gradients are dense (an `IndexedSlices` gradient is densified when
+    accumulated). The accumulators and the micro-step counter are optimizer state:
+    checkpointed and restored, so a run resumed mid-accumulation continues exactly (a
+    checkpoint holds the SUM of the replicas' accumulators; restored, each replica holds
+    an equal share, and only the sum is ever used).
+
+    Stacking: it may sit anywhere in a stack (its place only decides which wrappers'
+    stages run per micro-step: `transform_loss` and `transform_unaggregated_gradients`
+    always do); one accumulation per stack.
+
+    Args:
+      optimizer: a dist_minimize optimizer.
+      steps: micro-steps per update (>= 1; 1 updates every step).
+
+    Raises:
+      TypeError: `optimizer` is not a dist_minimize optimizer.
+      ValueError: `steps` < 1, or the stack already accumulates.
+    """
+
+    def __init__(self, optimizer: StagedOptimizer, steps: int, name: str | None = None):
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"`steps` must be an integer >= 1. Received: steps={steps!r}")
+        super().__init__(optimizer, name=name)
+        if self._find(GradientAccumulation) is not None:
+            raise ValueError("The wrapped optimizer already accumulates gradients; one "
+                             "GradientAccumulation per stack. Received: a nested GradientAccumulation")
+        self.steps = steps
+        self._micro_step = None
+        self._accumulators = []
+
+    @_compat.no_automatic_dependency_tracking
+    def build(self, var_list):
+        if self.built:
+            return
+        self._micro_step = self.add_variable(shape=(), dtype="int64", initializer="zeros",
+                                             aggregation="only_first_replica", name="micro_step")
+        self._accumulators = [
+            _compat.add_replica_local_variable(self, v, name=f"accumulated_{i}") for i, v in enumerate(var_list)]
+        super().build(var_list)
+
+    @property
+    def micro_step(self):
+        """Micro-steps taken so far (a variable, after `build`)."""
+        return self._micro_step
+
+    def _aggregate_and_apply(self, top, grads_and_vars, aggregate):
+        accumulators = [self._accumulators[self._get_variable_index(v)] for _, v in grads_and_vars]
+        present = [g is not None for g, _ in grads_and_vars]
+        for (g, _), acc in zip(grads_and_vars, accumulators):
+            if g is not None:
+                acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+        micro = self._micro_step + 1
+        self._micro_step.assign(micro)
+        variables = [v for _, v in grads_and_vars]
+
+        def update():
+            mean = [(tf.convert_to_tensor(acc) / self.steps if p else None, v)
+                    for acc, p, v in zip(accumulators, present, variables)]
+            self.wrapped._aggregate_and_apply(top, mean, aggregate)
+            for acc in accumulators:
+                acc.assign(tf.zeros_like(acc))
+
+        self.run_if(tf.equal(micro % self.steps, 0), update)
+
+    def get_config(self):
+        config = super().get_config()
+        config["steps"] = self.steps
+        return config

@@ -1,0 +1,137 @@
+"""Loss scaling for mixed precision, with the skip decision made on aggregated gradients."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from dist_minimize import _compat
+from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.transforms.base import check_positive_finite, map_gradient
+from dist_minimize.wrapper import OptimizerWrapper
+
+
+@keras.saving.register_keras_serializable(package="dist_minimize")
+class LossScaleOptimizer(OptimizerWrapper):
+    """Scales the loss, unscales the aggregated gradients, and skips non-finite steps.
+
+    * `transform_loss` multiplies the loss by the current scale;
+    * `transform_gradients` first divides the AGGREGATED gradients by the scale, then
+      hands them to the wrapped optimizer's transforms (so a global-norm clipper sees
+      unscaled gradients);
+    * the non-finite check runs on those aggregated gradients, which are identical on
+      every replica and every worker: a step with an inf/NaN anywhere is skipped by all,
+      and the scale is divided by `growth_factor` on all (Keras 3's own
+      `LossScaleOptimizer` decides from replica 0's local gradients instead, so an inf on
+      another replica reaches the weights, or one worker skips while another waits in
+      the all-reduce);
+    * dynamic mode: after `growth_interval` finite steps in a row the scale is multiplied
+      by `growth_factor`. Fixed mode (`dynamic=False`): the scale never changes, and
+      non-finite steps are still skipped.
+
+    `transform_unaggregated_gradients` and `aggregate_gradients` see SCALED gradients
+    (aggregation is linear, so unscaling after it is equivalent and keeps float16
+    gradients away from underflow until then).
+
+    With `model.compile` under a `mixed_float16` policy, pass `auto_scale_loss=False`:
+    otherwise Keras wraps the optimizer in its own `LossScaleOptimizer`, which
+    dist_minimize refuses with an error.
+
+    Args:
+      optimizer: a dist_minimize optimizer (its stages do the rest).
+      initial_scale: the starting scale (Keras's default, 2**15).
+      dynamic: adjust the scale (default) or keep it fixed.
+      growth_interval: finite steps in a row before the scale grows (Keras: 2000).
+      growth_factor: the factor by which the scale grows, and shrinks on a skip (2.0).
+
+    State (checkpointed and saved): `loss_scale`, `good_steps`; skips are counted in
+    the wrapped optimizer's `skipped_steps`.
+
+    Raises:
+      TypeError: `optimizer` is not a dist_minimize optimizer.
+      ValueError: a non-positive or non-finite `initial_scale`, a `growth_interval` < 1,
+        or a `growth_factor` <= 1.
+    """
+
+    def __init__(self, optimizer: StagedOptimizer, initial_scale: float = 2.0 ** 15, dynamic: bool = True,
+                 growth_interval: int = 2000, growth_factor: float = 2.0, name: str | None = None):
+        initial_scale = check_positive_finite("initial_scale", initial_scale)
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"`growth_interval` must be an integer >= 1. Received: growth_interval={growth_interval!r}")
+        growth_factor = check_positive_finite("growth_factor", growth_factor)
+        if growth_factor <= 1.0:
+            raise ValueError(f"`growth_factor` must be > 1. Received: growth_factor={growth_factor!r}")
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"`dynamic` must be a bool. Received: dynamic={dynamic!r}")
+        super().__init__(optimizer, name=name)
+        if self._find(LossScaleOptimizer) is not None:
+            raise ValueError("The wrapped optimizer already scales the loss; one "
+                             "LossScaleOptimizer per stack. Received: a nested LossScaleOptimizer")
+        self.initial_scale = initial_scale
+        self.dynamic = dynamic
+        self.growth_interval = growth_interval
+        self.growth_factor = growth_factor
+        self._loss_scale = None
+        self._good_steps = None
+
+    @_compat.no_automatic_dependency_tracking
+    def build(self, var_list):
+        if self.built:
+            return
+        self._loss_scale = self.add_variable(
+            shape=(), dtype="float32", initializer=keras.initializers.Constant(self.initial_scale),
+            aggregation="only_first_replica", name="loss_scale")
+        self._good_steps = self.add_variable(
+            shape=(), dtype="int64", initializer="zeros", aggregation="only_first_replica", name="good_steps")
+        super().build(var_list)
+
+    @property
+    def loss_scale(self):
+        """The current scale (a variable once built, else the initial value)."""
+        return self._loss_scale if self._loss_scale is not None else self.initial_scale
+
+    # -- stages ------------------------------------------------------------------------
+
+    def transform_loss(self, loss):
+        loss = self.wrapped.transform_loss(loss)
+        return loss * tf.cast(tf.convert_to_tensor(self.loss_scale), loss.dtype)
+
+    def transform_gradients(self, grads_and_vars):
+        scale = tf.convert_to_tensor(self.loss_scale)
+
+        def unscale(g):
+            return g / tf.cast(scale, g.dtype)
+
+        unscaled = [(map_gradient(g, unscale) if g is not None else None, v) for g, v in grads_and_vars]
+        return self.wrapped.transform_gradients(unscaled)
+
+    def apply_updates(self, grads_and_vars):
+        self.wrapped.apply_updates(grads_and_vars)
+        if self.dynamic:
+            good = self._good_steps + 1
+            grow = good >= self.growth_interval
+            self._loss_scale.assign(tf.where(grow, self._loss_scale * self.growth_factor, self._loss_scale))
+            self._good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
+
+    # -- the skip decision ---------------------------------------------------------------
+
+    @property
+    def skip_nonfinite(self) -> bool:
+        return True  # loss scaling relies on skipping overflowed steps
+
+    def _record_skip(self):
+        self.wrapped._record_skip()
+        if self.dynamic:
+            self._loss_scale.assign(self._loss_scale / self.growth_factor)
+            self._good_steps.assign(tf.zeros_like(self._good_steps))
+
+    def gradient_stats(self) -> dict:
+        stats = self.wrapped.gradient_stats()
+        stats["loss_scale"] = tf.convert_to_tensor(self.loss_scale)
+        return stats
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(initial_scale=self.initial_scale, dynamic=self.dynamic,
+                      growth_interval=self.growth_interval, growth_factor=self.growth_factor)
+        return config
