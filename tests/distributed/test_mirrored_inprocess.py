@@ -84,3 +84,89 @@ def test_horovod_backend_inside_a_strategy_is_refused():
         opt.build([v])
     with pytest.raises(ValueError, match="aggregated twice"):
         s.run(lambda: opt.apply_gradients([(tf.constant([1.0]), v)]))
+
+
+@pytest.mark.parametrize("bad_replica", [0, 1])
+@pytest.mark.parametrize("use_function", [False, True])
+def test_loss_scale_skip_agreed_when_inf_on_one_replica(bad_replica, use_function):
+    s = strategy()
+    with s.scope():
+        v = tf.Variable([1.0, 2.0])
+        opt = dm.LossScaleOptimizer(
+            dm.Optimizer(keras.optimizers.Adam(0.1), transform_gradients=dm.clip_by_global_norm(1.0)),
+            initial_scale=64.0)
+        opt.build([v])
+
+    def replica_fn(poison):
+        rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+        with tf.GradientTape() as tape:
+            loss = opt.transform_loss(tf.reduce_sum(v * v))
+            planted = tf.logical_and(poison, tf.equal(rid, bad_replica))
+            loss = loss * tf.where(planted, tf.constant(np.inf), tf.constant(1.0))
+        opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+
+    def step(poison):
+        s.run(replica_fn, args=(tf.constant(poison),))
+
+    if use_function:
+        step = tf.function(step)
+    step(False)
+    good = local_values(v)
+    step(True)
+    for a, b in zip(local_values(v), good):
+        np.testing.assert_array_equal(a, b)
+    assert [float(x.numpy()) for x in s.experimental_local_results(opt.loss_scale.value)] == [32.0, 32.0]
+    assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 1
+
+
+def _accumulation_run(strat, k, mode, count):
+    """SGD+clip with accumulation K under `strat`; returns weights and all-reduce calls."""
+    x, y = P.make_data(P.STEPS * k)
+    with strat.scope():
+        model = P.make_model(keras)
+        opt = dm.GradientAccumulation(
+            dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(P.CLIP_NORM)), k)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(P.GLOBAL_BATCH)
+    count["n"] = 0
+    if mode == "fit":
+        with strat.scope():
+            model.compile(loss="mse", optimizer=opt)
+        model.fit(ds, epochs=1, verbose=0, shuffle=False)
+    else:  # eager custom loop: counts every executed call
+        with strat.scope():
+            opt.build(model.trainable_variables)
+
+        def replica_step(xb, yb):
+            opt.minimize(lambda: tf.nn.compute_average_loss(
+                tf.reduce_mean(tf.square(model(xb) - yb), axis=-1), global_batch_size=P.GLOBAL_BATCH),
+                model.trainable_variables)
+
+        for batch in strat.experimental_distribute_dataset(ds):
+            strat.run(replica_step, args=batch)
+    return P.weights(model), opt
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["fit", "eager"])
+def test_accumulation_parity_and_one_aggregation_per_update(monkeypatch, k, mode):
+    from tensorflow.python.distribute import distribute_lib
+
+    count = {"n": 0}
+    original = distribute_lib.ReplicaContextBase.all_reduce
+
+    def counting(self, *a, **kw):
+        count["n"] += 1
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(distribute_lib.ReplicaContextBase, "all_reduce", counting)
+    x, y = P.make_data(P.STEPS * k)
+    ref_model = P.make_model(keras)
+    ref_model.compile(loss="mse", optimizer=dm.Optimizer(
+        keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(P.CLIP_NORM)))
+    ref_model.fit(x, y, batch_size=P.GLOBAL_BATCH * k, epochs=1, verbose=0, shuffle=False)
+    got, opt = _accumulation_run(strategy(), k, mode, count)
+    assert P.max_abs_diff(P.weights(ref_model), got) <= 1e-6
+    assert int(opt.iterations.numpy()) == P.STEPS
+    if mode == "eager":
+        # One all-reduce per replica per UPDATE (STEPS updates of K micro-steps each).
+        assert count["n"] == 2 * P.STEPS
