@@ -181,3 +181,66 @@ def train_embedding(strategy, dataset, transforms=(), aggregate="auto", steps: i
         model.compile(loss="mse", optimizer=opt)
     model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps)
     return weights(model)
+
+
+def train_custom(strategy, make_optimizer, dataset, steps: int, loss_denominator: int,
+                 multiplier=None, model_seed: int = 1):
+    """A tf.function custom loop whose optimizer `make_optimizer()` builds in scope.
+
+    multiplier(step) -> float: this process's loss multiplier at each step (e.g. inf at
+    one step on one worker, to plant a non-finite gradient there). Returns
+    (weights, optimizer).
+    """
+    import keras
+    import tensorflow as tf
+
+    with strategy.scope():
+        model = make_model(keras, seed=model_seed)
+        opt = make_optimizer()
+        opt.build(model.trainable_variables)
+    if not isinstance(dataset, tf.distribute.DistributedDataset):
+        dataset = strategy.experimental_distribute_dataset(dataset)
+
+    @tf.function
+    def step(batch, mult):
+        def replica_step(xb, yb):
+            def loss_fn():
+                per_example = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1)
+                return tf.nn.compute_average_loss(per_example, global_batch_size=loss_denominator) * mult
+
+            opt.minimize(loss_fn, model.trainable_variables)
+
+        strategy.run(replica_step, args=batch)
+
+    it = iter(dataset)
+    for i in range(steps):
+        step(next(it), tf.constant(multiplier(i) if multiplier else 1.0))
+    return weights(model), opt
+
+
+def lso_sgd(dm, keras):
+    """LossScaleOptimizer(Optimizer(SGD, clip)) with initial scale 64."""
+    return dm.LossScaleOptimizer(
+        dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=dm.clip_by_global_norm(CLIP_NORM)),
+        initial_scale=64.0)
+
+
+def accumulating_adam(dm, keras, k: int):
+    """GradientAccumulation(Optimizer(Adam, clip), k)."""
+    return dm.GradientAccumulation(
+        dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(CLIP_NORM)), k)
+
+
+def reference_accumulation(k: int):
+    """Single-device weights of Adam+clip on batches K times larger (the accumulation target)."""
+    import dist_minimize as dm
+    import keras
+    import tensorflow as tf
+
+    x, y = make_data(STEPS * k)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH * k)
+    w, _ = train_custom(tf.distribute.get_strategy(),
+                        lambda: dm.Optimizer(keras.optimizers.Adam(0.01), aggregate_gradients="none",
+                                             transform_gradients=dm.clip_by_global_norm(CLIP_NORM)),
+                        ds, STEPS, GLOBAL_BATCH * k)
+    return w

@@ -72,6 +72,21 @@ if scenario == "parity":
                                 dataset=P.local_dataset(rank, size), loss_denominator=local)
             results[f"{opt_name}/{mode}"] = {"weights": lists(w), "calls": counter.take(),
                                              "iterations": int(opt.iterations.numpy())}
+    for bad in range(size):
+        # An inf planted at step 2 on rank `bad` only: every rank must skip it.
+        w, opt = P.train_custom(default, lambda: P.lso_sgd(dm, keras), P.local_dataset(rank, size), P.STEPS, local,
+                                multiplier=lambda i, bad=bad: float("inf") if (i == 2 and rank == bad) else 1.0)
+        results[f"lso_inf/{bad}"] = {"weights": lists(w), "skipped": int(opt.skipped_steps.numpy()),
+                                     "iterations": int(opt.iterations.numpy()),
+                                     "loss_scale": float(opt.loss_scale.numpy())}
+    counter.take()
+    for k in (2, 4):
+        x, y = P.make_data(P.STEPS * k)
+        xs, ys = P.shard_rows(x, y, rank, size)
+        ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(local)
+        w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
+        results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
+                                      "calls": counter.take()}
     sum_agg = dm.aggregation.HorovodAggregator(reduction="sum")
     w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
                       loss_denominator=P.GLOBAL_BATCH, aggregate=sum_agg)

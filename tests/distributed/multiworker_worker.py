@@ -33,8 +33,34 @@ def local_dataset(input_context):
 
 
 results = {}
+import dist_minimize as dm  # noqa: E402
+import keras  # noqa: E402
+
 for case in cases:
     opt_name, mode = case.split("/")
+    if opt_name == "lso_inf":
+        # An inf planted at step 2 on worker `mode` only: every worker must skip it.
+        bad = int(mode)
+        dataset = strategy.distribute_datasets_from_function(local_dataset)
+        got, opt = P.train_custom(strategy, lambda: P.lso_sgd(dm, keras), dataset, P.STEPS, P.GLOBAL_BATCH,
+                                  multiplier=lambda i: float("inf") if (i == 2 and task == bad) else 1.0)
+        results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy()),
+                         "skipped": int(opt.skipped_steps.numpy()),
+                         "loss_scale": float(opt.loss_scale.numpy())}
+        continue
+    if opt_name == "accumulate":
+        k = int(mode)
+
+        def micro_dataset(ctx, k=k):
+            x, y = P.make_data(P.STEPS * k)
+            xs, ys = P.shard_rows(x, y, ctx.input_pipeline_id, ctx.num_input_pipelines)
+            return tf.data.Dataset.from_tensor_slices((xs, ys)).batch(ctx.get_per_replica_batch_size(P.GLOBAL_BATCH))
+
+        dataset = strategy.distribute_datasets_from_function(micro_dataset)
+        got, opt = P.train_custom(strategy, lambda k=k: P.accumulating_adam(dm, keras, k), dataset,
+                                  P.STEPS * k, P.GLOBAL_BATCH)
+        results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy())}
+        continue
     if mode == "fit_anchor":
         # Stock Keras model.fit under MultiWorkerMirroredStrategy: record how it fails.
         import traceback

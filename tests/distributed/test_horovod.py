@@ -78,6 +78,24 @@ def test_one_grouped_allreduce_per_step(tmp_root, case):
         assert r[case]["iterations"] == P.STEPS
 
 
+@pytest.mark.parametrize("bad", [0, 1])
+def test_inf_on_one_rank_is_skipped_by_all(tmp_root, bad):
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        c = r[f"lso_inf/{bad}"]
+        assert all(np.isfinite(np.array(w)).all() for w in c["weights"])
+        assert c["skipped"] == 1 and c["iterations"] == P.STEPS - 1 and c["loss_scale"] == 32.0
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulation_parity_and_one_allreduce_per_update(tmp_root, k):
+    ref = P.reference_accumulation(k)
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        c = r[f"accumulate/{k}"]
+        assert c["iterations"] == P.STEPS
+        assert c["calls"] == {"grouped_allreduce": P.STEPS, "allreduce": 0}  # not STEPS * k
+        assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
+
+
 def test_sum_reduction_with_global_batch_loss(tmp_root):
     ref = reference("sgd", "callable")
     for r in job("horovod-gloo", 2, "parity", tmp_root):

@@ -11,7 +11,9 @@ import proc
 
 pytestmark = pytest.mark.distributed
 
-CASES = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape", "sgd/fit_anchor"]
+CASES = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape", "lso_inf/0", "lso_inf/1",
+         "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
+PARITY = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape"]
 TIMEOUT = 240
 
 
@@ -30,7 +32,7 @@ def worker_results(tmp_path_factory):
     return [json.loads((out / f"w{i}.json").read_text())["results"] for i in range(2)]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "anchor" not in c])
+@pytest.mark.parametrize("case", PARITY)
 def test_multiworker_matches_single_device(worker_results, case):
     opt_name, mode = case.split("/")
     ref, _, _ = P.train(tf.distribute.get_strategy(), opt_name, mode)
@@ -59,3 +61,21 @@ def test_keras_fit_fails_in_its_trainer_under_multiworker(worker_results):
     anchor = worker_results[0]["sgd/fit_anchor"]
     assert anchor["error"] is not None and "PerReplica" in anchor["error"]
     assert "_maybe_symbolic_build" in anchor["frames"]
+
+
+@pytest.mark.parametrize("bad", [0, 1])
+def test_inf_on_one_worker_is_skipped_by_all(worker_results, bad):
+    for worker in worker_results:
+        r = worker[f"lso_inf/{bad}"]
+        assert all(np.isfinite(np.array(w)).all() for w in r["weights"])
+        assert r["skipped"] == 1 and r["iterations"] == P.STEPS - 1
+        assert r["loss_scale"] == 32.0  # halved once, on every worker
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulation_parity(worker_results, k):
+    ref = P.reference_accumulation(k)
+    for worker in worker_results:
+        r = worker[f"accumulate/{k}"]
+        assert r["iterations"] == P.STEPS
+        assert P.max_abs_diff(ref, [np.array(w, dtype=np.float32) for w in r["weights"]]) <= 1e-6
