@@ -25,6 +25,7 @@ from dist_minimize.transforms import (
     clip_by_value,
     global_norm,
 )
+from dist_minimize.transforms.consistency import ConsistencyCheck, check_consistency
 from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps, limit_nonfinite_steps
 from dist_minimize.wrapper import OptimizerWrapper
 from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer
@@ -35,6 +36,7 @@ __all__ = [
     "ClipByGlobalNorm",
     "ClipByNorm",
     "ClipByValue",
+    "ConsistencyCheck",
     "GradientAccumulation",
     "GradientTransform",
     "LimitNonFiniteSteps",
@@ -46,6 +48,7 @@ __all__ = [
     "aggregation",
     "all_finite",
     "callbacks",
+    "check_consistency",
     "cluster",
     "horovod_keras",
     "launcher",

@@ -6,27 +6,32 @@ import keras
 
 
 class GradientStatsLogger(keras.callbacks.Callback):
-    """Adds the epoch's gradient statistics to `model.fit`'s logs and prints them.
+    """Adds the epoch's gradient statistics to `model.fit`'s logs (and TensorBoard).
 
-    For a model compiled with a dist_minimize optimizer whose `transform_gradients`
-    holds a `clip_by_global_norm` clipper, each epoch's logs gain:
+    For a model compiled with a dist_minimize optimizer, each epoch's logs gain:
 
-    * `grad_norm`: mean pre-clip global norm over the epoch's finite steps;
-    * `clipped_share`: share of the epoch's steps that were clipped;
-    * `skipped_steps`: steps skipped by the non-finite guard during the epoch.
+    * `grad_norm`: mean pre-clip global norm over the epoch's finite steps, and
+      `clipped_share`: share of those steps that were clipped (with a
+      `clip_by_global_norm` clipper in `transform_gradients`);
+    * `skipped_steps`: steps skipped by the non-finite guard during the epoch;
+    * `loss_scale`: the scale at the end of the epoch (with `LossScaleOptimizer`).
 
     The statistics are read from optimizer state once per epoch (no per-batch host
-    synchronisation). Keras's progress bar has already printed when `on_epoch_end`
-    runs, so with `verbose=True` the callback prints one line of its own.
+    synchronisation). Under Horovod, give it only to rank 0 for TensorBoard
+    (`dm.horovod_keras.root_only`); the values are the same on every rank.
 
     Args:
       verbose: also print one line of statistics after each epoch (they are in the
         logs, so Keras's own progress line shows them already).
+      log_dir: if given, also write the statistics there as TensorBoard scalars
+        (`gradients/<name>`, one point per epoch).
     """
 
-    def __init__(self, verbose: bool = False):
+    def __init__(self, verbose: bool = False, log_dir: str | None = None):
         super().__init__()
         self.verbose = verbose
+        self.log_dir = log_dir
+        self._writer = None
         self._start: dict = {}
 
     def _read(self) -> dict:
@@ -50,9 +55,20 @@ class GradientStatsLogger(keras.callbacks.Callback):
             epoch_stats["clipped_share"] = delta["clipped_steps"] / delta["steps"]
         if "skipped_steps" in delta:
             epoch_stats["skipped_steps"] = delta["skipped_steps"]
+        if "loss_scale" in now:
+            epoch_stats["loss_scale"] = now["loss_scale"]
         if logs is not None:
             logs.update(epoch_stats)
+        if self.log_dir and epoch_stats:
+            import tensorflow as tf
+
+            if self._writer is None:
+                self._writer = tf.summary.create_file_writer(self.log_dir)
+            with self._writer.as_default(step=epoch):
+                for k, v in epoch_stats.items():
+                    tf.summary.scalar(f"gradients/{k}", v)
+            self._writer.flush()
         if self.verbose and epoch_stats:
             print(f"epoch {epoch + 1}: " + ", ".join(
-                f"{k}={v:.4g}" if isinstance(v, float) and k != "skipped_steps" else f"{k}={int(v)}"
+                f"{k}={int(v)}" if k == "skipped_steps" else f"{k}={v:.4g}"
                 for k, v in epoch_stats.items()), flush=True)

@@ -87,6 +87,22 @@ if scenario == "parity":
         w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
         results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                       "calls": counter.take()}
+    # Consistency check: passes while in sync; a divergence planted on rank 1 is caught
+    # by every rank at the same step.
+    v = tf.Variable([1.0, 2.0], name="w")
+    check_opt = dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=dm.check_consistency(2))
+    check_opt.build([v])
+    check_step = tf.function(lambda: check_opt.apply_gradients([(tf.constant([1.0, 1.0]), v)]))
+    check_step()
+    check_step()
+    if rank == 1:
+        v.assign_add([0.0, 0.25])
+    check_step()
+    try:
+        check_step()
+        results["consistency"] = {"error": None}
+    except tf.errors.InvalidArgumentError as e:
+        results["consistency"] = {"error": e.message}
     sum_agg = dm.aggregation.HorovodAggregator(reduction="sum")
     w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
                       loss_denominator=P.GLOBAL_BATCH, aggregate=sum_agg)

@@ -96,6 +96,12 @@ def test_accumulation_parity_and_one_allreduce_per_update(tmp_root, k):
         assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
 
 
+def test_consistency_check_catches_divergence_on_every_rank(tmp_root):
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        assert r["consistency"]["error"] is not None
+        assert "diverged at step 4: first differing: weight w" in r["consistency"]["error"]
+
+
 def test_sum_reduction_with_global_batch_loss(tmp_root):
     ref = reference("sgd", "callable")
     for r in job("horovod-gloo", 2, "parity", tmp_root):

@@ -170,3 +170,25 @@ def test_accumulation_parity_and_one_aggregation_per_update(monkeypatch, k, mode
     if mode == "eager":
         # One all-reduce per replica per UPDATE (STEPS updates of K micro-steps each).
         assert count["n"] == 2 * P.STEPS
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_consistency_check_passes_in_sync_and_catches_a_planted_divergence(use_function):
+    s = strategy()
+    with s.scope():
+        a, b = tf.Variable([1.0, 2.0], name="a"), tf.Variable([3.0], name="b")
+        check = dm.check_consistency(every_n_steps=2)
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=check)
+        opt.build([a, b])
+
+    def replica_fn():
+        opt.apply_gradients([(tf.constant([1.0, 1.0]), a), (tf.constant([1.0]), b)])
+
+    step = tf.function(lambda: s.run(replica_fn)) if use_function else (lambda: s.run(replica_fn))
+    for _ in range(4):
+        step()  # checks at steps 2 and 4 pass
+    # Plant a divergence: replica 1's copy of `b` differs.
+    b.values[1].assign_add([0.5])
+    step()  # step 5: not checked
+    with pytest.raises(tf.errors.InvalidArgumentError, match="diverged at step 6.*weight b"):
+        step()

@@ -217,3 +217,24 @@ def test_resume_mid_accumulation_continues_exactly(tmp_path):
     assert float(opt_b.wrapped.loss_scale.numpy()) == float(opt_a.wrapped.loss_scale.numpy()) == 1024.0
     for a, b in zip(opt_a.variables, opt_b.variables):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_stats_logger_writes_fit_logs_and_tensorboard(tmp_path):
+    opt = dm.LossScaleOptimizer(base("sgd"), initial_scale=8.0, growth_interval=2)
+    x, y = P.make_data()
+    model = P.make_model(keras)
+    model.compile(loss="mse", optimizer=opt)
+    history = model.fit(x, y, batch_size=P.GLOBAL_BATCH, epochs=2, verbose=0, shuffle=False,
+                        callbacks=[dm.callbacks.GradientStatsLogger(log_dir=str(tmp_path))])
+    # 4 finite steps per epoch, growth every 2: 8 -> 32 -> 128.
+    assert history.history["loss_scale"] == [32.0, 128.0]
+    assert history.history["clipped_share"] == [1.0, 1.0]
+    events = {}
+    for path in tmp_path.iterdir():
+        for record in tf.data.TFRecordDataset(str(path)):
+            event = tf.compat.v1.Event.FromString(record.numpy())
+            for value in event.summary.value:
+                events.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
+    assert events["gradients/loss_scale"] == [32.0, 128.0]
+    assert events["gradients/grad_norm"] == pytest.approx(history.history["grad_norm"])
+    assert set(events) >= {"gradients/clipped_share", "gradients/skipped_steps"}
