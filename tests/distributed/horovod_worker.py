@@ -87,6 +87,15 @@ if scenario == "parity":
         w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
         results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                       "calls": counter.take()}
+    # Accumulation through model.fit (micro-batches of the local batch size).
+    x, y = P.make_data(P.STEPS * 2)
+    xs, ys = P.shard_rows(x, y, rank, size)
+    model = P.make_model(keras)
+    acc_opt = P.accumulating_adam(dm, keras, 2)
+    model.compile(loss="mse", optimizer=acc_opt)
+    model.fit(xs, ys, batch_size=local, epochs=1, verbose=0, shuffle=False)
+    results["accumulate_fit/2"] = {"weights": lists(P.weights(model)), "iterations": int(acc_opt.iterations.numpy())}
+
     # Consistency check: passes while in sync; a divergence planted on rank 1 is caught
     # by every rank at the same step.
     v = tf.Variable([1.0, 2.0], name="w")

@@ -96,6 +96,14 @@ def test_accumulation_parity_and_one_allreduce_per_update(tmp_root, k):
         assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
 
 
+def test_accumulation_through_fit(tmp_root):
+    ref = P.reference_accumulation(2)
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        c = r["accumulate_fit/2"]
+        assert c["iterations"] == P.STEPS
+        assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
+
+
 def test_consistency_check_catches_divergence_on_every_rank(tmp_root):
     for r in job("horovod-gloo", 2, "parity", tmp_root):
         assert r["consistency"]["error"] is not None

@@ -192,3 +192,27 @@ def test_consistency_check_passes_in_sync_and_catches_a_planted_divergence(use_f
     step()  # step 5: not checked
     with pytest.raises(tf.errors.InvalidArgumentError, match="diverged at step 6.*weight b"):
         step()
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_loss_scaling_with_mixed_precision_fit(policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        s = strategy()
+        x, y = P.make_data()
+        with s.scope():
+            model = P.make_model(keras)
+            opt = dm.LossScaleOptimizer(dm.Optimizer(keras.optimizers.Adam(0.01),
+                                                     transform_gradients=dm.clip_by_global_norm(P.CLIP_NORM)))
+            model.compile(loss="mse", optimizer=opt, auto_scale_loss=False)
+        history = model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(P.GLOBAL_BATCH), epochs=3,
+                            verbose=0, shuffle=False)
+        assert model.layers[0].compute_dtype == policy.split("_")[1]
+        for w in model.trainable_variables:
+            copies = local_values(w.value)
+            assert np.isfinite(copies[0]).all()
+            np.testing.assert_array_equal(copies[0], copies[1])
+        assert int(opt.iterations.numpy()) + int(opt.skipped_steps.numpy()) == 3 * P.STEPS
+        assert history.history["loss"][-1] < history.history["loss"][0]
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
