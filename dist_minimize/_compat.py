@@ -90,3 +90,9 @@ def add_replica_local_variable(optimizer: keras.optimizers.Optimizer, reference:
             trainable=False, synchronization="on_read", aggregation="sum", name=name)
     optimizer._track_variable(variable)
     return variable
+
+
+def cross_device_ops_name(strategy: tf.distribute.Strategy) -> str:
+    """The class name of the all-reduce a tf.distribute strategy was built with."""
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    return type(ops).__name__ if ops is not None else "none"

@@ -3,11 +3,14 @@
 `get(identifier)` turns what `Optimizer(aggregate_gradients=...)` received into an
 `Aggregator`:
 
-* `"auto"` (default): chooses at each step, from the context the step runs in: the
-  tf.distribute all-reduce inside a strategy of more than one replica; Horovod when
-  `horovod.tensorflow` is imported and initialised with more than one process; otherwise
-  the identity.
+* `"auto"` (default): chooses at each step, from the context the step runs in: inside a
+  strategy of more than one replica, NCCL when every replica device is a GPU and the
+  strategy's all-reduce can use NCCL, the strategy's own all-reduce otherwise; Horovod
+  when `horovod.tensorflow` is imported and initialised with more than one process;
+  otherwise the identity. The choice and its reason are logged once (logger
+  `dist_minimize`).
 * `"strategy"`: the tf.distribute all-reduce (`StrategyAggregator`).
+* `"nccl"`: NCCL, or a clear error where it cannot run (`NcclAggregator`).
 * `"horovod"`: Horovod's grouped allreduce (`HorovodAggregator`).
 * `"none"`: no aggregation.
 * an `Aggregator` instance, or any callable `grads_and_vars -> grads_and_vars`.
@@ -15,20 +18,41 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Callable
 
 import tensorflow as tf
 
 from dist_minimize.aggregation.base import Aggregator, IdentityAggregator
+from dist_minimize import _compat
 from dist_minimize.aggregation.horovod import HorovodAggregator
+from dist_minimize.aggregation.nccl import NcclAggregator, is_gpu, nccl_plan
 from dist_minimize.aggregation.strategy import StrategyAggregator
 
 _BACKENDS = {
     "strategy": StrategyAggregator,
+    "nccl": NcclAggregator,
     "horovod": HorovodAggregator,
     "none": IdentityAggregator,
 }
+logger = logging.getLogger("dist_minimize")
+
+
+def auto_choice(num_replicas: int, devices, cross_device_ops: str, horovod_size: int,
+                built_with_cuda: bool) -> tuple[str, str]:
+    """What "auto" picks, and why: ("nccl" | "strategy" | "horovod" | "none", reason)."""
+    if num_replicas > 1:
+        if devices and all(is_gpu(d) for d in devices):
+            try:
+                nccl_plan(devices, cross_device_ops, built_with_cuda)
+                return "nccl", f"all {len(devices)} local replica devices are GPUs"
+            except ValueError as e:
+                return "strategy", f"NCCL cannot run here: {e}"
+        return "strategy", f"{num_replicas} replicas, not all on GPUs ({', '.join(devices)})"
+    if horovod_size > 1:
+        return "horovod", f"Horovod is initialised with {horovod_size} processes"
+    return "none", "one replica, no Horovod job"
 BACKEND_NAMES = ("auto",) + tuple(_BACKENDS)
 
 
@@ -38,20 +62,21 @@ class AutoAggregator(Aggregator):
     name = "auto"
 
     def __init__(self):
-        self._strategy = StrategyAggregator()
-        self._identity = IdentityAggregator()
-        self._horovod: HorovodAggregator | None = None
+        self._chosen: dict[str, Aggregator] = {}
 
     def select(self) -> Aggregator:
-        """Returns the backend this step uses."""
-        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-            return self._strategy
+        """Returns the backend this step uses (logging the choice the first time)."""
+        strategy = tf.distribute.get_strategy()
+        n = strategy.num_replicas_in_sync if tf.distribute.has_strategy() else 1
+        devices = list(strategy.extended.worker_devices) if n > 1 else []
         hvd = sys.modules.get("horovod.tensorflow")
-        if hvd is not None and _horovod_size(hvd) > 1:
-            if self._horovod is None:
-                self._horovod = HorovodAggregator()
-            return self._horovod
-        return self._identity
+        name, reason = auto_choice(n, devices, _compat.cross_device_ops_name(strategy) if n > 1 else "none",
+                                   _horovod_size(hvd) if hvd is not None else 1,
+                                   tf.test.is_built_with_cuda())
+        if name not in self._chosen:
+            logger.info("aggregate_gradients='auto' chose %r: %s", name, reason)
+            self._chosen[name] = _BACKENDS[name]()
+        return self._chosen[name]
 
     @property
     def reduction(self):  # type: ignore[override]
@@ -99,7 +124,10 @@ __all__ = [
     "AutoAggregator",
     "HorovodAggregator",
     "IdentityAggregator",
+    "NcclAggregator",
     "StrategyAggregator",
     "BACKEND_NAMES",
+    "auto_choice",
     "get",
+    "nccl_plan",
 ]

@@ -112,6 +112,12 @@ if scenario == "parity":
         results["consistency"] = {"error": None}
     except tf.errors.InvalidArgumentError as e:
         results["consistency"] = {"error": e.message}
+    try:
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="nccl").apply_gradients(
+            [(tf.constant([1.0]), tf.Variable([0.0]))])
+        results["nccl_error"] = None
+    except ValueError as e:
+        results["nccl_error"] = str(e)
     sum_agg = dm.aggregation.HorovodAggregator(reduction="sum")
     w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
                       loss_denominator=P.GLOBAL_BATCH, aggregate=sum_agg)

@@ -110,6 +110,11 @@ def test_consistency_check_catches_divergence_on_every_rank(tmp_root):
         assert "diverged at step 4: first differing: weight w" in r["consistency"]["error"]
 
 
+def test_nccl_refused_when_horovod_lacks_it(tmp_root):
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        assert "HOROVOD_GPU_OPERATIONS=NCCL" in r["nccl_error"] and "nccl_built()=0" in r["nccl_error"]
+
+
 def test_sum_reduction_with_global_batch_loss(tmp_root):
     ref = reference("sgd", "callable")
     for r in job("horovod-gloo", 2, "parity", tmp_root):
