@@ -29,6 +29,13 @@ class GradientStatsLogger(keras.callbacks.Callback):
 
     def __init__(self, verbose: bool = False, log_dir: str | None = None):
         super().__init__()
+        if log_dir is not None:
+            import importlib.util
+
+            if importlib.util.find_spec("tensorboard") is None:
+                raise ValueError(
+                    "`log_dir` needs TensorBoard (tf.summary writes through it), which is not "
+                    f"installed: pip install tensorboard. Received: log_dir={log_dir!r}")
         self.verbose = verbose
         self.log_dir = log_dir
         self._writer = None

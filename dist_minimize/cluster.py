@@ -125,6 +125,74 @@ def _from_tf_config(environ: Mapping[str, str]) -> ClusterInfo | None:
     return ClusterInfo(index, len(workers), 0, 1, "tf_config")
 
 
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expands a Slurm host list ("node[01-03,07],gpu5") into host names, in order.
+
+    Raises:
+      ValueError: a malformed list, naming it.
+    """
+    hosts: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", hostlist):
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise ValueError(f"`SLURM_JOB_NODELIST` is not a Slurm host list. Received: {hostlist!r}")
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{len(lo)}d}")
+    if not hosts:
+        raise ValueError(f"`SLURM_JOB_NODELIST` is empty. Received: {hostlist!r}")
+    return hosts
+
+
+def tf_config_from_slurm(environ: Mapping[str, str] | None = None, port: int = 23456) -> str:
+    """TF_CONFIG for a MultiWorkerMirroredStrategy worker started by `srun`, one task per node.
+
+    Workers are the job's nodes (SLURM_JOB_NODELIST, or SLURM_NODELIST) in order, each at
+    `port`; this task's index is SLURM_PROCID.
+    """
+    environ = os.environ if environ is None else environ
+    nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+    if not nodelist or "SLURM_PROCID" not in environ:
+        raise ValueError("Not inside a Slurm task: SLURM_JOB_NODELIST and SLURM_PROCID are needed. "
+                         f"Received: SLURM_JOB_NODELIST={nodelist!r}, "
+                         f"SLURM_PROCID={environ.get('SLURM_PROCID')!r}")
+    hosts = expand_hostlist(nodelist)
+    index = _int(environ, "SLURM_PROCID")
+    if index >= len(hosts):
+        raise ValueError(f"One MultiWorkerMirroredStrategy worker per node: SLURM_PROCID={index} but "
+                         f"{len(hosts)} nodes. Use --ntasks-per-node=1. Received: SLURM_JOB_NODELIST={nodelist!r}")
+    return json.dumps({"cluster": {"worker": [f"{h}:{port}" for h in hosts]},
+                       "task": {"type": "worker", "index": index}})
+
+
+def tf_config_from_statefulset(environ: Mapping[str, str] | None = None) -> str:
+    """TF_CONFIG for a worker pod of a Kubernetes StatefulSet (launch/k8s/multiworker.yaml).
+
+    The pod's ordinal comes from its HOSTNAME ("<set>-<ordinal>"); DM_WORKERS, DM_SERVICE
+    (the headless service) and DM_PORT describe the cluster. Pods are
+    "<set>-<i>.<service>:<port>".
+    """
+    environ = os.environ if environ is None else environ
+    hostname = environ.get("HOSTNAME", "")
+    name, _, ordinal = hostname.rpartition("-")
+    if not name or not ordinal.isdigit():
+        raise ValueError(f"`HOSTNAME` must be a StatefulSet pod name like 'dm-worker-0'. Received: "
+                         f"HOSTNAME={hostname!r}")
+    for var in ("DM_WORKERS", "DM_SERVICE"):
+        if not environ.get(var):
+            raise ValueError(f"`{var}` must be set in the pod spec. Received: {var}={environ.get(var)!r}")
+    workers, port = _int(environ, "DM_WORKERS"), environ.get("DM_PORT", "23456")
+    if int(ordinal) >= workers:
+        raise ValueError(f"Pod ordinal {ordinal} is past DM_WORKERS={workers}. Received: HOSTNAME={hostname!r}")
+    service = environ["DM_SERVICE"]
+    return json.dumps({"cluster": {"worker": [f"{name}-{i}.{service}:{port}" for i in range(workers)]},
+                       "task": {"type": "worker", "index": int(ordinal)}})
+
+
 def init_horovod(comm: Any = None, process_set_comms: Sequence[Any] = ()) -> Any:
     """Initialises Horovod, optionally on an mpi4py communicator; returns `horovod.tensorflow`.
 
@@ -136,8 +204,8 @@ def init_horovod(comm: Any = None, process_set_comms: Sequence[Any] = ()) -> Any
         same list, in the same order.
 
     Returns:
-      The `horovod.tensorflow` module; the process sets are in `hvd.process_sets`-order as
-      `init_horovod.process_sets` (also returned by `process_sets()`).
+      The `horovod.tensorflow` module. The process sets built from `process_set_comms`
+      are returned by `process_sets()`, in the same order.
     """
     hvd = _compat.import_horovod()
     sets = [hvd.ProcessSet(c) for c in process_set_comms]

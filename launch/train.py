@@ -47,6 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def resolve_backend(backend: str) -> str:
     from dist_minimize import cluster
 
+    if backend == "multiworker" and "TF_CONFIG" not in os.environ:
+        # Started by srun (launch/slurm_multiworker.sbatch) or as a StatefulSet pod
+        # (launch/k8s/multiworker.yaml): derive this worker's TF_CONFIG.
+        if "SLURM_PROCID" in os.environ:
+            os.environ["TF_CONFIG"] = cluster.tf_config_from_slurm(port=int(os.environ.get("DM_PORT", "23456")))
+        elif "DM_SERVICE" in os.environ:
+            os.environ["TF_CONFIG"] = cluster.tf_config_from_statefulset()
     if backend != "auto":
         return backend
     info = cluster.discover()

@@ -14,11 +14,10 @@ import tensorflow as tf
 import parity_lib as P
 import proc
 
-pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed (bash ci/setup.sh builds it)")
-
+from conftest import requires_horovod  # noqa: E402
 from dist_minimize import launcher  # noqa: E402
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, requires_horovod]
 DEFAULT = tf.distribute.get_strategy()
 _jobs = {}
 

@@ -8,17 +8,12 @@ import tensorflow as tf
 
 import dist_minimize as dm
 import parity_lib as P
+from conftest import mirrored_strategy, requires_horovod
 
 pytestmark = pytest.mark.distributed
 
-STRATEGY = None
-
-
 def strategy():
-    global STRATEGY
-    if STRATEGY is None:
-        STRATEGY = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-    return STRATEGY
+    return mirrored_strategy()
 
 
 def local_values(var):
@@ -75,8 +70,8 @@ def test_embedding_sparse_gradients_match_single_device_and_stay_sparse():
     assert seen and set(seen) == {"IndexedSlices"}  # aggregated, still sparse
 
 
+@requires_horovod
 def test_horovod_backend_inside_a_strategy_is_refused():
-    pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed (bash ci/setup.sh builds it)")
     s = strategy()
     with s.scope():
         v = tf.Variable([1.0])

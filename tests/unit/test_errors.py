@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import dist_minimize as dm
+from conftest import mirrored_strategy
 
 
 def sgd(**kw):
@@ -132,7 +133,7 @@ def test_missing_backend_dependency_names_set_up_step(monkeypatch):
 
 
 def test_inner_created_outside_strategy_scope_is_refused():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored_strategy()
     opt = dm.Optimizer(sgd())  # outside the scope
     with strategy.scope():
         v = tf.Variable(1.0)

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from conftest import requires_horovod
 from dist_minimize import cluster, launcher
 
 
@@ -110,7 +111,7 @@ def test_discover_bad_environment(env, needle):
     assert needle in str(info.value)
 
 
+@requires_horovod
 def test_mpi4py_and_horovod_link_the_same_mpi():
-    pytest.importorskip("horovod.tensorflow", reason="Horovod is not installed (bash ci/setup.sh builds it)")
     path = cluster.check_same_mpi()
     assert "libmpi.so" in path

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import dist_minimize as dm
+from conftest import mirrored_strategy
 from dist_minimize.aggregation import auto_choice, nccl_plan
 
 GPUS = ["/job:localhost/replica:0/task:0/device:GPU:0", "/job:localhost/replica:0/task:0/device:GPU:1"]
@@ -53,7 +54,7 @@ def test_auto_choice(args, want):
 
 
 def test_nccl_on_cpu_replicas_raises_at_the_first_step():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored_strategy()
     with strategy.scope():
         v = tf.Variable([1.0])
         opt = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="nccl")
@@ -63,7 +64,7 @@ def test_nccl_on_cpu_replicas_raises_at_the_first_step():
 
 
 def test_auto_logs_its_choice_once(caplog):
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = mirrored_strategy()
     with strategy.scope():
         v = tf.Variable([1.0])
         opt = dm.Optimizer(keras.optimizers.SGD(0.1))
