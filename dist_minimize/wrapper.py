@@ -69,6 +69,12 @@ class OptimizerWrapper(StagedOptimizer):
     def _aggregate_and_apply(self, top, grads_and_vars, aggregate):
         self.wrapped._aggregate_and_apply(top, grads_and_vars, aggregate)
 
+    def _refuse_nested(self, what: str) -> None:
+        """Raises if the wrapped chain already holds a wrapper of this one's type."""
+        if self._find(type(self)) is not None:
+            raise ValueError(f"The wrapped optimizer already {what}; one {type(self).__name__} per stack. "
+                             f"Received: a nested {type(self).__name__}")
+
     def _find(self, kind: type):
         """The first optimizer of type `kind` in this wrapper's chain (excluding self)."""
         opt = self.wrapped

@@ -244,3 +244,16 @@ def reference_accumulation(k: int):
                                              transform_gradients=dm.clip_by_global_norm(CLIP_NORM)),
                         ds, STEPS, GLOBAL_BATCH * k)
     return w
+
+
+def train_batches(model, opt, x, y, batches) -> None:
+    """Single-device tf.function steps of mean squared error on the given global batches."""
+    import tensorflow as tf
+
+    @tf.function
+    def step(xb, yb):
+        opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
+
+    for i in batches:
+        sl = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
+        step(x[sl], y[sl])

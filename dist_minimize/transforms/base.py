@@ -93,3 +93,10 @@ def check_positive_finite(name: str, value) -> float:
     if isinstance(value, bool) or not number > 0 or number == float("inf"):
         raise ValueError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
     return number
+
+
+def check_positive_int(name: str, value, minimum: int = 1) -> int:
+    """Validates an integer >= `minimum` (bools refused), naming the argument on failure."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
+    return value

@@ -7,7 +7,7 @@ import sys
 import keras
 import tensorflow as tf
 
-from dist_minimize.transforms.base import GradientTransform
+from dist_minimize.transforms.base import GradientTransform, check_positive_int
 
 
 def _fingerprint(t) -> tf.Tensor:
@@ -53,9 +53,7 @@ class ConsistencyCheck(GradientTransform):
     """
 
     def __init__(self, every_n_steps: int = 100):
-        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
-            raise ValueError(f"`every_n_steps` must be an integer >= 1. Received: every_n_steps={every_n_steps!r}")
-        self.every_n_steps = every_n_steps
+        self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self._step = None
         self._optimizer = None
 

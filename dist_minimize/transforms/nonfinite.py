@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize.transforms.base import GradientTransform
+from dist_minimize.transforms.base import GradientTransform, check_positive_int
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -32,9 +32,7 @@ class LimitNonFiniteSteps(GradientTransform):
     """
 
     def __init__(self, max_consecutive: int = 10):
-        if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) or max_consecutive < 1:
-            raise ValueError(f"`max_consecutive` must be an integer >= 1. Received: max_consecutive={max_consecutive!r}")
-        self.max_consecutive = max_consecutive
+        self.max_consecutive = check_positive_int("max_consecutive", max_consecutive)
         self._count = None
 
     def build(self, optimizer, variables):

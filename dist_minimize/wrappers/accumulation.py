@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from dist_minimize import _compat
 from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.transforms.base import check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
 
 
@@ -50,12 +51,9 @@ class GradientAccumulation(OptimizerWrapper):
     """
 
     def __init__(self, optimizer: StagedOptimizer, steps: int, name: str | None = None):
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"`steps` must be an integer >= 1. Received: steps={steps!r}")
+        steps = check_positive_int("steps", steps)
         super().__init__(optimizer, name=name)
-        if self._find(GradientAccumulation) is not None:
-            raise ValueError("The wrapped optimizer already accumulates gradients; one "
-                             "GradientAccumulation per stack. Received: a nested GradientAccumulation")
+        self._refuse_nested("accumulates gradients")
         self.steps = steps
         self._micro_step = None
         self._accumulators = []

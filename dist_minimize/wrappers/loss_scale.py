@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from dist_minimize import _compat
 from dist_minimize.optimizer import StagedOptimizer
-from dist_minimize.transforms.base import check_positive_finite, map_gradient
+from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
 from dist_minimize.wrapper import OptimizerWrapper
 
 
@@ -56,17 +56,14 @@ class LossScaleOptimizer(OptimizerWrapper):
     def __init__(self, optimizer: StagedOptimizer, initial_scale: float = 2.0 ** 15, dynamic: bool = True,
                  growth_interval: int = 2000, growth_factor: float = 2.0, name: str | None = None):
         initial_scale = check_positive_finite("initial_scale", initial_scale)
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"`growth_interval` must be an integer >= 1. Received: growth_interval={growth_interval!r}")
+        growth_interval = check_positive_int("growth_interval", growth_interval)
         growth_factor = check_positive_finite("growth_factor", growth_factor)
         if growth_factor <= 1.0:
             raise ValueError(f"`growth_factor` must be > 1. Received: growth_factor={growth_factor!r}")
         if not isinstance(dynamic, bool):
             raise TypeError(f"`dynamic` must be a bool. Received: dynamic={dynamic!r}")
         super().__init__(optimizer, name=name)
-        if self._find(LossScaleOptimizer) is not None:
-            raise ValueError("The wrapped optimizer already scales the loss; one "
-                             "LossScaleOptimizer per stack. Received: a nested LossScaleOptimizer")
+        self._refuse_nested("scales the loss")
         self.initial_scale = initial_scale
         self.dynamic = dynamic
         self.growth_interval = growth_interval

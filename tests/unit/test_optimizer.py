@@ -301,13 +301,7 @@ def test_checkpoint_resume_continues_exactly(tmp_path):
         return model, opt, clip
 
     def train(model, opt, batches):
-        @tf.function
-        def step(xb, yb):
-            opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
-
-        for i in batches:
-            sl = slice(i * P.GLOBAL_BATCH, (i + 1) * P.GLOBAL_BATCH)
-            step(x[sl], y[sl])
+        P.train_batches(model, opt, x, y, batches)
 
     model_a, opt_a, clip_a = make()
     train(model_a, opt_a, [0, 1])

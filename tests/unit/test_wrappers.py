@@ -196,13 +196,7 @@ def test_resume_mid_accumulation_continues_exactly(tmp_path):
         return model, opt
 
     def train(model, opt, batches):
-        @tf.function
-        def step(xb, yb):
-            opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
-
-        for i in batches:
-            sl = slice(i * P.GLOBAL_BATCH, (i + 1) * P.GLOBAL_BATCH)
-            step(x[sl], y[sl])
+        P.train_batches(model, opt, x, y, batches)
 
     model_a, opt_a = make()
     train(model_a, opt_a, [0, 1, 2])  # 1.5 updates: mid-accumulation
