@@ -66,6 +66,13 @@ if scenario == "parity":
     rank, size = hvd.rank(), hvd.size()
     counter = CountingHorovod(hvd)
     local = P.GLOBAL_BATCH // size
+    results["helpers"] = {
+        "discover": dm.cluster.discover().__dict__,
+        "shard": [int(e) for e in dm.horovod_keras.shard(tf.data.Dataset.range(8))],
+        "verbosity": dm.horovod_keras.verbosity(2),
+        "root_only": len(dm.horovod_keras.root_only([keras.callbacks.History()])),
+        "is_root": dm.horovod_keras.is_root(),
+    }
     for opt_name in ("sgd", "adam"):
         for mode, eager in (("fit", False), ("callable", False), ("callable_eager", True)):
             w, opt, _ = P.train(default, opt_name, mode.split("_")[0], eager=eager,
@@ -189,6 +196,12 @@ elif scenario == "mpi":
     agg = dm.aggregation.HorovodAggregator(reduction="adasum")
     [(g, _)] = agg([(a, tf.Variable(tf.zeros(3)))])
     results["adasum"] = {"local": a.numpy().tolist(), "result": g.numpy().tolist()}
+    sparse = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+    try:
+        agg([(sparse, tf.Variable(tf.zeros([3, 2])))])
+        results["adasum_sparse_error"] = None
+    except ValueError as e:
+        results["adasum_sparse_error"] = str(e)
 
 elif scenario == "three":
     from mpi4py import MPI

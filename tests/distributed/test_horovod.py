@@ -182,6 +182,19 @@ def test_adasum_on_two_processes_matches_its_formula(tmp_root):
         np.testing.assert_allclose(r["adasum"]["result"], want, rtol=1e-5)
 
 
+def test_adasum_refuses_sparse_gradients(tmp_root):
+    for r in job("horovod-mpi", 2, "mpi", tmp_root):
+        assert "sparse gradients" in r["adasum_sparse_error"] and "sparse_as_dense=True" in r["adasum_sparse_error"]
+
+
+def test_rank_helpers_under_horovodrun_gloo(tmp_root):
+    for i, r in enumerate(job("horovod-gloo", 2, "parity", tmp_root)):
+        h = r["helpers"]
+        assert h["discover"] == {"rank": i, "size": 2, "local_rank": i, "local_size": 2, "launcher": "horovod"}
+        assert h["shard"] == [i, i + 2, i + 4, i + 6]
+        assert (h["verbosity"], h["root_only"], h["is_root"]) == ((2, 1, True) if i == 0 else (0, 0, False))
+
+
 def test_adasum_refused_on_three_and_process_set_parity(tmp_root):
     ranks = job("horovod-mpi", 3, "three", tmp_root)
     for r in ranks:
