@@ -16,6 +16,7 @@ against its contract, and an error names the stage that broke it.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Sequence
 
 import keras
@@ -38,7 +39,7 @@ _PER_REPLICA_SETTINGS = {
 }
 
 
-class StagedOptimizer(keras.optimizers.Optimizer):
+class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
     Subclasses implement the stages (`Optimizer` with a Keras update rule and
@@ -55,12 +56,12 @@ class StagedOptimizer(keras.optimizers.Optimizer):
 
     # -- the six stages ----------------------------------------------------------------
 
+    @abc.abstractmethod
     def transform_loss(self, loss: tf.Tensor) -> tf.Tensor:
         """Transforms the per-replica loss before differentiation (e.g. loss scaling).
 
         Runs inside the gradient tape. Must return a scalar tensor.
         """
-        raise NotImplementedError  # abstract stage
 
     def get_gradients(self, loss: tf.Tensor, variables: Sequence[tf.Variable], tape: tf.GradientTape) -> list:
         """Returns `[(gradient, variable), ...]` of `loss` w.r.t. `variables`.
@@ -77,28 +78,28 @@ class StagedOptimizer(keras.optimizers.Optimizer):
         grads = tape.gradient(loss, list(variables))
         return list(zip(grads, variables))
 
+    @abc.abstractmethod
     def transform_unaggregated_gradients(self, grads_and_vars: list) -> list:
         """Transforms each replica's own gradients, before aggregation."""
-        raise NotImplementedError  # abstract stage
 
+    @abc.abstractmethod
     def aggregate_gradients(self, grads_and_vars: list) -> list:
         """Aggregates gradients across replicas/processes, exactly once per step.
 
         After it, every replica holds the gradient of the mean loss over the global
         batch (see `dist_minimize.aggregation.Aggregator`).
         """
-        raise NotImplementedError  # abstract stage
 
+    @abc.abstractmethod
     def transform_gradients(self, grads_and_vars: list) -> list:
         """Transforms aggregated gradients (e.g. global-norm clipping).
 
         Its inputs are identical on every replica, so every decision it makes is too.
         """
-        raise NotImplementedError  # abstract stage
 
+    @abc.abstractmethod
     def apply_updates(self, grads_and_vars: list) -> None:
         """Applies final gradients to the variables with the update rule."""
-        raise NotImplementedError  # abstract stage
 
     # -- drivers -----------------------------------------------------------------------
 
@@ -198,11 +199,13 @@ class StagedOptimizer(keras.optimizers.Optimizer):
     # -- non-finite guard --------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def skip_nonfinite(self) -> bool:
-        raise NotImplementedError  # abstract: where the guard setting lives
+        """Whether steps with non-finite final gradients are skipped (the guard)."""
 
+    @abc.abstractmethod
     def _record_skip(self) -> None:
-        raise NotImplementedError  # abstract: where the skip counter lives
+        """Counts one skipped step (and lets wrappers react, e.g. lower the loss scale)."""
 
     def _guarded_apply(self, grads_and_vars: list) -> None:
         if not self.skip_nonfinite:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Literal, Sequence, Tuple
 
 import tensorflow as tf
@@ -10,7 +11,7 @@ GradsAndVars = Sequence[Tuple[tf.Tensor | tf.IndexedSlices | None, tf.Variable]]
 Reduction = Literal["sum", "mean", "none"]
 
 
-class Aggregator:
+class Aggregator(abc.ABC):
     """Aggregates per-replica gradients into gradients identical on every replica.
 
     Contract:
@@ -32,8 +33,9 @@ class Aggregator:
     name: str = "base"
     reduction: Reduction = "none"
 
+    @abc.abstractmethod
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
-        raise NotImplementedError  # abstract: each backend implements it
+        """Returns the aggregated (gradient, variable) pairs (see the class contract)."""
 
     def get_config(self) -> dict:
         return {}

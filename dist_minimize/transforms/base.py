@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Sequence
 
 import keras
@@ -9,7 +10,7 @@ import tensorflow as tf
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
-class GradientTransform:
+class GradientTransform(abc.ABC):
     """A step of the pipeline: grads_and_vars in, grads_and_vars out.
 
     Any callable `grads_and_vars -> grads_and_vars` can be given to a stage; subclass
@@ -31,8 +32,9 @@ class GradientTransform:
     def build(self, optimizer: keras.optimizers.Optimizer, variables: Sequence[tf.Variable]) -> None:
         """Creates the transform's state, if any. Default: stateless."""
 
+    @abc.abstractmethod
     def __call__(self, grads_and_vars):
-        raise NotImplementedError  # abstract: each transform implements it
+        """Returns the transformed (gradient, variable) pairs (see the class contract)."""
 
     def stats(self) -> dict:
         """Values for logging (tensors or variables). Default: none."""
