@@ -73,6 +73,7 @@ def parse_hosts(hosts: str | None, hostfile: str | None, np: int) -> list[tuple[
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct TCP ports free on `host` right now."""
     socks = []
     try:
         for _ in range(n):

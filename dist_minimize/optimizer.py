@@ -273,6 +273,7 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
         super().__setattr__(name, value)
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        """Not supported: dist_minimize optimizers are stateful (TensorFlow backend)."""
         raise ValueError("dist_minimize optimizers are stateful (TensorFlow backend only).")
 
 
@@ -393,17 +394,21 @@ class Optimizer(StagedOptimizer):
     # -- stages --------------------------------------------------------------------------
 
     def transform_loss(self, loss):
+        """Applies the constructor's `transform_loss` callables in order."""
         for fn in self._loss_fns:
             loss = fn(loss)
         return loss
 
     def transform_unaggregated_gradients(self, grads_and_vars):
+        """Applies the constructor's `transform_unaggregated_gradients` in order, checking each."""
         return _chain("transform_unaggregated_gradients", self._unaggregated_fns, grads_and_vars)
 
     def aggregate_gradients(self, grads_and_vars):
+        """Applies the constructor's aggregator(s) (default "auto") in order, checking each."""
         return _chain("aggregate_gradients", self._aggregators, grads_and_vars)
 
     def transform_gradients(self, grads_and_vars):
+        """Applies the constructor's `transform_gradients` in order (e.g. the clipper), checking each."""
         return _chain("transform_gradients", self._gradient_fns, grads_and_vars)
 
     def apply_updates(self, grads_and_vars):
@@ -478,11 +483,13 @@ class Optimizer(StagedOptimizer):
         self.inner_optimizer.learning_rate = learning_rate
 
     def finalize_variable_values(self, var_list):
+        """Delegates to the inner Keras optimizer (called by Keras at the end of `fit`)."""
         self.inner_optimizer.finalize_variable_values(var_list)
 
     # -- serialisation ---------------------------------------------------------------------
 
     def get_config(self):
+        """The inner optimizer, transforms and backends, serialised (see `from_config`)."""
         return {
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),

@@ -49,21 +49,27 @@ class OptimizerWrapper(StagedOptimizer):
     # -- stages: delegate ----------------------------------------------------------------
 
     def transform_loss(self, loss):
+        """Delegates to the wrapped optimizer."""
         return self.wrapped.transform_loss(loss)
 
     def get_gradients(self, loss, variables, tape):
+        """Delegates to the wrapped optimizer."""
         return self.wrapped.get_gradients(loss, variables, tape)
 
     def transform_unaggregated_gradients(self, grads_and_vars):
+        """Delegates to the wrapped optimizer."""
         return self.wrapped.transform_unaggregated_gradients(grads_and_vars)
 
     def aggregate_gradients(self, grads_and_vars):
+        """Delegates to the wrapped optimizer."""
         return self.wrapped.aggregate_gradients(grads_and_vars)
 
     def transform_gradients(self, grads_and_vars):
+        """Delegates to the wrapped optimizer."""
         return self.wrapped.transform_gradients(grads_and_vars)
 
     def apply_updates(self, grads_and_vars):
+        """Delegates to the wrapped optimizer."""
         self.wrapped.apply_updates(grads_and_vars)
 
     def _aggregate_and_apply(self, top, grads_and_vars, aggregate):
@@ -89,6 +95,7 @@ class OptimizerWrapper(StagedOptimizer):
 
     @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
+        """Builds the wrapped optimizer (and this wrapper's own state in subclasses)."""
         if self.built:
             return
         self.wrapped.build(var_list)
@@ -106,6 +113,7 @@ class OptimizerWrapper(StagedOptimizer):
         return self.wrapped.skipped_steps
 
     def gradient_stats(self) -> dict:
+        """The wrapped optimizer's statistics."""
         return self.wrapped.gradient_stats()
 
     @property
@@ -125,9 +133,11 @@ class OptimizerWrapper(StagedOptimizer):
         self.wrapped.learning_rate = learning_rate
 
     def finalize_variable_values(self, var_list):
+        """Delegates to the wrapped optimizer."""
         self.wrapped.finalize_variable_values(var_list)
 
     def get_config(self):
+        """The wrapped optimizer, serialised."""
         return {"name": self.name, "optimizer": keras.saving.serialize_keras_object(self.wrapped)}
 
     @classmethod

@@ -20,6 +20,7 @@ _NCCL = "NcclAllReduce"
 
 
 def is_gpu(device: str) -> bool:
+    """Whether a device string names a GPU."""
     return tf.DeviceSpec.from_string(device).device_type == "GPU"
 
 

@@ -41,6 +41,7 @@ class GradientTransform(abc.ABC):
         return {}
 
     def get_config(self) -> dict:
+        """The configuration `from_config` rebuilds the transform from. Default: none."""
         return {}
 
     @classmethod

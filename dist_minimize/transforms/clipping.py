@@ -76,6 +76,7 @@ class ClipByGlobalNorm(GradientTransform):
         self._state = None
 
     def build(self, optimizer, variables):
+        """Creates the statistics vector (mirrored, checkpointed with the optimizer)."""
         if self._state is not None:
             return
         self._state = optimizer.add_variable(
@@ -117,6 +118,7 @@ class ClipByGlobalNorm(GradientTransform):
         self._state.assign(new)
 
     def stats(self) -> dict:
+        """Last norm, last clipped flag, and running totals (see the class docstring)."""
         if self._state is None:
             return {}
         s = tf.convert_to_tensor(self._state)
@@ -130,6 +132,7 @@ class ClipByGlobalNorm(GradientTransform):
         }
 
     def get_config(self) -> dict:
+        """The transform's configuration."""
         return {"clip_norm": self.clip_norm}
 
 
@@ -155,6 +158,7 @@ class ClipByNorm(GradientTransform):
         return [(map_gradient(g, clip), v) for g, v in grads_and_vars]
 
     def get_config(self) -> dict:
+        """The transform's configuration."""
         return {"clip_norm": self.clip_norm}
 
 
@@ -180,6 +184,7 @@ class ClipByValue(GradientTransform):
         return [(map_gradient(g, clip), v) for g, v in grads_and_vars]
 
     def get_config(self) -> dict:
+        """The transform's configuration."""
         return {"clip_value": self.clip_value}
 
 

@@ -58,6 +58,7 @@ class ConsistencyCheck(GradientTransform):
         self._optimizer = None
 
     def build(self, optimizer, variables):
+        """Creates the step counter that schedules the checks."""
         if self._step is None:
             self._step = optimizer.add_variable(shape=(), dtype="int64", initializer="zeros",
                                                 aggregation="only_first_replica", name="consistency_step")
@@ -93,6 +94,7 @@ class ConsistencyCheck(GradientTransform):
         return grads_and_vars
 
     def get_config(self) -> dict:
+        """The transform's configuration."""
         return {"every_n_steps": self.every_n_steps}
 
 

@@ -36,6 +36,7 @@ class LimitNonFiniteSteps(GradientTransform):
         self._count = None
 
     def build(self, optimizer, variables):
+        """Creates the consecutive-skip counter; refuses an optimizer without the guard."""
         if not optimizer.skip_nonfinite:
             raise ValueError(
                 "`limit_nonfinite_steps` needs the optimizer to skip non-finite steps. "
@@ -64,9 +65,11 @@ class LimitNonFiniteSteps(GradientTransform):
                     for g, v in grads_and_vars]
 
     def stats(self) -> dict:
+        """The current count of consecutive non-finite steps."""
         return {} if self._count is None else {"consecutive_nonfinite_steps": tf.convert_to_tensor(self._count)}
 
     def get_config(self) -> dict:
+        """The transform's configuration."""
         return {"max_consecutive": self.max_consecutive}
 
 

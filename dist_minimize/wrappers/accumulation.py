@@ -60,6 +60,7 @@ class GradientAccumulation(OptimizerWrapper):
 
     @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
+        """Creates the micro-step counter and one per-replica accumulator per variable."""
         if self.built:
             return
         self._micro_step = self.add_variable(shape=(), dtype="int64", initializer="zeros",
@@ -93,6 +94,7 @@ class GradientAccumulation(OptimizerWrapper):
         self.run_if(tf.equal(micro % self.steps, 0), update)
 
     def get_config(self):
+        """The wrapped optimizer and `steps`."""
         config = super().get_config()
         config["steps"] = self.steps
         return config

@@ -73,6 +73,7 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     @_compat.no_automatic_dependency_tracking
     def build(self, var_list):
+        """Creates `loss_scale` and `good_steps`, then builds the wrapped optimizer."""
         if self.built:
             return
         self._loss_scale = self.add_variable(
@@ -90,10 +91,12 @@ class LossScaleOptimizer(OptimizerWrapper):
     # -- stages ------------------------------------------------------------------------
 
     def transform_loss(self, loss):
+        """The wrapped optimizer's transformed loss, times the current scale."""
         loss = self.wrapped.transform_loss(loss)
         return loss * tf.cast(tf.convert_to_tensor(self.loss_scale), loss.dtype)
 
     def transform_gradients(self, grads_and_vars):
+        """Divides the aggregated gradients by the scale, then runs the wrapped transforms."""
         scale = tf.convert_to_tensor(self.loss_scale)
 
         def unscale(g):
@@ -103,6 +106,7 @@ class LossScaleOptimizer(OptimizerWrapper):
         return self.wrapped.transform_gradients(unscaled)
 
     def apply_updates(self, grads_and_vars):
+        """Applies the update; in dynamic mode counts a good step and grows the scale every `growth_interval`."""
         self.wrapped.apply_updates(grads_and_vars)
         if self.dynamic:
             good = self._good_steps + 1
@@ -123,11 +127,13 @@ class LossScaleOptimizer(OptimizerWrapper):
             self._good_steps.assign(tf.zeros_like(self._good_steps))
 
     def gradient_stats(self) -> dict:
+        """The wrapped statistics plus `loss_scale`."""
         stats = self.wrapped.gradient_stats()
         stats["loss_scale"] = tf.convert_to_tensor(self.loss_scale)
         return stats
 
     def get_config(self):
+        """The wrapped optimizer and the scaling settings."""
         config = super().get_config()
         config.update(initial_scale=self.initial_scale, dynamic=self.dynamic,
                       growth_interval=self.growth_interval, growth_factor=self.growth_factor)
