@@ -113,7 +113,10 @@ def run_fit(args, strategy=None) -> float:
             raise SystemExit(f"--global-batch must be divisible by the {size} processes. "
                              f"Received: --global-batch={args.global_batch}")
         local_batch = args.global_batch // size
-        train = dm.horovod_keras.shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))).batch(local_batch)
+        # Equal, full local batches on every rank: the same number of steps everywhere (no
+        # rank waits in an allreduce the others never call) and an exact global mean.
+        train = dm.horovod_keras.shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))).batch(
+            local_batch, drop_remainder=True)
         callbacks = [dm.horovod_keras.BroadcastVariablesCallback(), dm.horovod_keras.MetricAverageCallback()]
         verbose = dm.horovod_keras.verbosity(2)
         scope = None
