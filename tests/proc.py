@@ -2,38 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import closing
+
+from dist_minimize import launcher
+from dist_minimize.launcher import free_ports  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports on 127.0.0.1."""
-    socks, ports = [], []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
 def tf_config(ports: list[int], index: int) -> str:
-    return json.dumps({
-        "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
-        "task": {"type": "worker", "index": index},
-    })
+    return launcher.tf_config([f"127.0.0.1:{p}" for p in ports], index)
 
 
 def env(**extra) -> dict:
