@@ -20,6 +20,26 @@ def local_values(var):
     return [np.array(v) for v in strategy().experimental_local_results(var)]
 
 
+def good_then_poisoned_step(replica_fn, v, use_function):
+    """Runs a clean step, then a step with `poison=True`; asserts the poisoned step
+    changed no replica's copy of `v` and left it finite. Returns the step function."""
+    s = strategy()
+
+    def step(poison):
+        s.run(replica_fn, args=(tf.constant(poison),))
+
+    if use_function:
+        step = tf.function(step)
+    step(False)
+    good = local_values(v)
+    step(True)
+    after = local_values(v)
+    for a, b in zip(after, good):
+        np.testing.assert_array_equal(a, b)
+    assert all(np.all(np.isfinite(a)) for a in after)
+    return step
+
+
 @pytest.mark.parametrize("bad_replica", [0, 1])
 @pytest.mark.parametrize("use_function", [False, True])
 def test_nonfinite_on_one_replica_is_skipped_by_all(bad_replica, use_function):
@@ -35,18 +55,7 @@ def test_nonfinite_on_one_replica_is_skipped_by_all(bad_replica, use_function):
         g = tf.where(tf.logical_and(poison, tf.equal(rid, bad_replica)), tf.constant([np.inf, np.nan]), g)
         opt.apply_gradients([(g, v)])
 
-    def step(poison):
-        s.run(replica_fn, args=(tf.constant(poison),))
-
-    if use_function:
-        step = tf.function(step)
-    step(False)
-    good = local_values(v)
-    step(True)
-    after = local_values(v)
-    for a, b in zip(after, good):
-        np.testing.assert_array_equal(a, b)
-    assert all(np.all(np.isfinite(a)) for a in after)
+    step = good_then_poisoned_step(replica_fn, v, use_function)
     assert int(opt.skipped_steps.numpy()) == 1
     assert int(opt.iterations.numpy()) == 1
     step(False)
@@ -100,16 +109,7 @@ def test_loss_scale_skip_agreed_when_inf_on_one_replica(bad_replica, use_functio
             loss = loss * tf.where(planted, tf.constant(np.inf), tf.constant(1.0))
         opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
 
-    def step(poison):
-        s.run(replica_fn, args=(tf.constant(poison),))
-
-    if use_function:
-        step = tf.function(step)
-    step(False)
-    good = local_values(v)
-    step(True)
-    for a, b in zip(local_values(v), good):
-        np.testing.assert_array_equal(a, b)
+    good_then_poisoned_step(replica_fn, v, use_function)
     assert [float(x.numpy()) for x in s.experimental_local_results(opt.loss_scale.value)] == [32.0, 32.0]
     assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 1
 
