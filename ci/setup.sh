@@ -12,7 +12,8 @@
 # The virtual environment is DM_VENV (default: <repo>/.venv, or .venv-<profile>).
 # Versions: requirements/pins-<profile>.txt, constrained by requirements/lock-<profile>.txt
 # where it exists. A second run with nothing changed only checks and returns in seconds.
-#   --relock   rewrite requirements/lock-<profile>.txt from what is installed
+#   --relock   rewrite requirements/lock-<profile>.txt from what is installed (ci/lock.py:
+#              `name==version` lines only, checked before setup.sh exits)
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -42,10 +43,10 @@ fingerprint() {
 }
 
 if [[ "${1:-}" == "--relock" ]]; then
-  "$VENV/bin/pip" freeze --exclude-editable | grep -v -E '^(horovod|dist.minimize)==' \
-    | grep -v '^-e ' > "$LOCK"
-  log "wrote ${LOCK#$ROOT/}"
-  exit 0
+  # name==version for every installed distribution, never pip freeze's `name @ file:///...`
+  # (a wheel installed from a local path would pin a file only this machine has).
+  "$VENV/bin/python" "$ROOT/ci/lock.py" write "$LOCK"
+  exec "$VENV/bin/python" "$ROOT/ci/lock.py" check "$LOCK"
 fi
 
 # 1. System packages: only touch apt when something is missing.

@@ -7,18 +7,41 @@
 # Unit tests run in one process; MirroredStrategy on logical CPU devices;
 # MultiWorkerMirroredStrategy workers and horovodrun/mpirun jobs as local processes on
 # 127.0.0.1 (each multi-process test starts, bounds and kills its own processes).
-# DM_PROFILE=default (or tf221) runs one profile only. Extra arguments go to pytest.
-set -euo pipefail
+# Both profiles run even when the first fails; each one's pytest summary is printed at
+# the end and the exit status is non-zero if either set-up or either test run failed.
+#   DM_PROFILE="default" (or "tf221", or "default tf221") chooses the profiles.
+#   DM_VENV_ROOT=DIR puts the virtual environments in DIR/.venv-<profile> (default: the
+#   repository's .venv and .venv-tf221). Extra arguments go to pytest.
+set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export TF_CPP_MIN_LOG_LEVEL=2
 profiles=${DM_PROFILE:-default tf221}
+LOGS=$(mktemp -d "$ROOT/.test-logs.XXXXXX")
+trap 'rm -rf "$LOGS"' EXIT
+status=0
+summaries=()
 for profile in $profiles; do
-  echo "[test] profile $profile"
-  DM_PROFILE=$profile bash "$ROOT/ci/setup.sh"
-  case "$profile" in
-    default) python=${DM_VENV:-$ROOT/.venv}/bin/python ;;
-    *) python=$ROOT/.venv-$profile/bin/python ;;
-  esac
-  "$python" -m pytest -p no:cacheprovider -ra "$@"
+  if [[ -n "${DM_VENV_ROOT:-}" ]]; then
+    venv=$DM_VENV_ROOT/.venv-$profile
+  elif [[ "$profile" == default ]]; then
+    venv=${DM_VENV:-$ROOT/.venv}
+  else
+    venv=$ROOT/.venv-$profile
+  fi
+  echo "[test] profile $profile ($venv)"
+  start=$SECONDS
+  if ! DM_PROFILE=$profile DM_VENV=$venv bash "$ROOT/ci/setup.sh"; then
+    status=1
+    summaries+=("[test] profile $profile: SET-UP FAILED after $((SECONDS - start)) s")
+    continue
+  fi
+  setup_s=$((SECONDS - start))
+  "$venv/bin/python" -m pytest -p no:cacheprovider -ra "$@" 2>&1 | tee "$LOGS/$profile.log"
+  rc=${PIPESTATUS[0]}
+  ((rc == 0)) || status=1
+  summary=$(grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$LOGS/$profile.log" | tail -1)
+  summaries+=("[test] profile $profile: ${summary:-no pytest summary} (exit $rc; set-up ${setup_s} s, tests $((SECONDS - start - setup_s)) s)")
 done
+printf '%s\n' "${summaries[@]}"
+exit $status

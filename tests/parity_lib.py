@@ -2,8 +2,16 @@
 
 The problem is built so that replicas' gradient norms differ a lot: the second half of
 the global batch has targets 100x larger than the first, so under 2 replicas, replica 1's
-gradient norm is ~100x replica 0's. Clipping is active on every step (clip_norm is below
-every global norm seen).
+gradient norm is ~100x replica 0's. The global gradient norms of the 4 steps are about
+37, 52-57, 71-73 and 44-45.
+
+Clip modes (CLIPS): "always" clips every step (clip norm 0.5): a clipped step is
+`clip * g / |g|`, blind to the gradient's scale, so it alone cannot catch a SUM/MEAN or
+double-aggregation mistake. "never" keeps the clipper in the pipeline with a norm no step
+reaches, and "some" clips 2 of the 4 steps; with SGD at learning rate 0.01 (optimizer
+name "sgd-0.01") the weights stay O(1) and a gradient off by any factor moves them by
+~0.1, far above the 1e-6 tolerance. CLIPPED_STEPS gives the number of clipped steps each
+mode must report.
 """
 
 from __future__ import annotations
@@ -18,6 +26,11 @@ GLOBAL_BATCH = 16
 STEPS = 4
 FEATURES = 5
 CLIP_NORM = 0.5
+CLIPS = {"always": CLIP_NORM, "never": 1e3, "some": 48.0}
+CLIPPED_STEPS = {"always": STEPS, "never": 0, "some": 2}
+# "OPT/MODE/CLIP" cases run under MirroredStrategy (2 and 4 replicas).
+MIRRORED_CASES = ([f"{o}/{m}/always" for o in ("sgd", "adam") for m in ("fit", "callable", "tape")]
+                  + [f"sgd-0.01/{m}/{c}" for c in ("never", "some") for m in ("fit", "callable", "tape")])
 
 
 def make_data(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seed: int = 0):
@@ -47,13 +60,26 @@ def make_model(keras, seed: int = 1):
 
 
 def make_inner(keras, name: str):
-    if name == "sgd":
-        return keras.optimizers.SGD(0.1)
-    if name == "adam":
-        return keras.optimizers.Adam(0.01)
-    if name == "momentum":
-        return keras.optimizers.SGD(0.05, momentum=0.9)
+    """"sgd" (0.1), "adam" (0.01), "momentum", or "NAME-LR" for that learning rate."""
+    base, _, lr = name.partition("-")
+    if base == "sgd":
+        return keras.optimizers.SGD(float(lr or 0.1))
+    if base == "adam":
+        return keras.optimizers.Adam(float(lr or 0.01))
+    if base == "momentum":
+        return keras.optimizers.SGD(float(lr or 0.05), momentum=0.9)
     raise ValueError(f"unknown optimizer {name!r}")
+
+
+def clip_mode(clip) -> str | None:
+    """True -> "always", False/None -> None (no clipper), else a key of CLIPS."""
+    if clip is True:
+        return "always"
+    if clip is False or clip is None:
+        return None
+    if clip not in CLIPS:
+        raise ValueError(f"unknown clip mode {clip!r}")
+    return clip
 
 
 def weights(model) -> list:
@@ -72,25 +98,33 @@ def shard_rows(x, y, shard: int, num_shards: int, global_batch: int = GLOBAL_BAT
     return x[idx], y[idx]
 
 
-def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip: bool = True,
+def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip="always",
                     aggregate="auto"):
     """A dist_minimize optimizer with a global-norm clipper, or stock Keras global_clipnorm."""
     inner = make_inner(keras, opt_name)
+    mode = clip_mode(clip)
     if not use_dm:
         config = inner.get_config()
-        config["global_clipnorm"] = CLIP_NORM if clip else None
+        config["global_clipnorm"] = CLIPS[mode] if mode else None
         return type(inner).from_config(config)
     return dm.Optimizer(inner, aggregate_gradients=aggregate,
-                        transform_gradients=[dm.clip_by_global_norm(CLIP_NORM)] if clip else None)
+                        transform_gradients=[dm.clip_by_global_norm(CLIPS[mode])] if mode else None)
 
 
-def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip: bool = True,
+def clipped_steps(opt) -> int:
+    """How many steps a dist_minimize optimizer's clipper clipped."""
+    return int(opt.gradient_stats()["clipped_steps"])
+
+
+def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="always",
           dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
           aggregate="auto", model_seed: int = 1, callbacks=()):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "callable" (custom loop with
     `minimize(loss_fn, vars)`), or "tape" (custom loop with a tensor loss and its tape).
+    clip: a clip mode of CLIPS ("always", "never", "some"), True ("always") or False
+      (no clipper); with use_dm=False, stock Keras `global_clipnorm` at that norm.
     dataset: the input; default: the global batches, split across replicas in order.
     loss_denominator: custom loops divide the sum of per-example losses by it (the
       global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
