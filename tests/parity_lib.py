@@ -28,6 +28,10 @@ FEATURES = 5
 CLIP_NORM = 0.5
 CLIPS = {"always": CLIP_NORM, "never": 1e3, "some": 48.0}
 CLIPPED_STEPS = {"always": STEPS, "never": 0, "some": 2}
+# Horovod cases: "OPT/MODE" clips always; "_eager" runs the custom loop eagerly.
+HOROVOD_MPI_CASES = (["sgd/fit", "sgd/callable", "adam/fit", "adam/callable"]
+                     + [f"sgd-0.01/{m}/{c}" for c in ("never", "some") for m in ("fit", "callable")])
+HOROVOD_CASES = HOROVOD_MPI_CASES + ["sgd/callable_eager", "adam/callable_eager"]
 # "OPT/MODE/CLIP" cases run under MirroredStrategy (2 and 4 replicas).
 MIRRORED_CASES = ([f"{o}/{m}/always" for o in ("sgd", "adam") for m in ("fit", "callable", "tape")]
                   + [f"sgd-0.01/{m}/{c}" for c in ("never", "some") for m in ("fit", "callable", "tape")])
@@ -99,16 +103,38 @@ def shard_rows(x, y, shard: int, num_shards: int, global_batch: int = GLOBAL_BAT
 
 
 def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip="always",
-                    aggregate="auto"):
-    """A dist_minimize optimizer with a global-norm clipper, or stock Keras global_clipnorm."""
+                    aggregate="auto", unaggregated=None):
+    """A dist_minimize optimizer with a global-norm clipper, or stock Keras global_clipnorm.
+
+    unaggregated: optional `transform_unaggregated_gradients` (e.g. a recorder)."""
     inner = make_inner(keras, opt_name)
     mode = clip_mode(clip)
     if not use_dm:
         config = inner.get_config()
         config["global_clipnorm"] = CLIPS[mode] if mode else None
         return type(inner).from_config(config)
-    return dm.Optimizer(inner, aggregate_gradients=aggregate,
+    return dm.Optimizer(inner, aggregate_gradients=aggregate, transform_unaggregated_gradients=unaggregated,
                         transform_gradients=[dm.clip_by_global_norm(CLIPS[mode])] if mode else None)
+
+
+class MaxAbsRecorder:
+    """A `transform_unaggregated_gradients` that records, per step, the largest absolute
+    element of this replica's (or process's) gradients, in `values[step]`."""
+
+    def __init__(self, steps: int = STEPS):
+        import tensorflow as tf
+
+        self.values = tf.Variable(tf.zeros([steps]), trainable=False)
+        self.step = tf.Variable(0, trainable=False)
+
+    def __call__(self, grads_and_vars):
+        import tensorflow as tf
+
+        m = tf.reduce_max(tf.stack([tf.reduce_max(tf.abs(tf.convert_to_tensor(g)))
+                                    for g, _ in grads_and_vars if g is not None]))
+        self.values.scatter_nd_update([[self.step]], [m])
+        self.step.assign_add(1)
+        return grads_and_vars
 
 
 def clipped_steps(opt) -> int:
@@ -118,7 +144,7 @@ def clipped_steps(opt) -> int:
 
 def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="always",
           dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
-          aggregate="auto", model_seed: int = 1, callbacks=()):
+          aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "callable" (custom loop with
@@ -137,7 +163,7 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     x, y = make_data(steps)
     with strategy.scope():
         model = make_model(keras, seed=model_seed)
-        opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate)
+        opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated)
     if dataset is None:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     if mode == "fit":

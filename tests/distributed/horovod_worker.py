@@ -73,12 +73,12 @@ if scenario == "parity":
         "root_only": len(dm.horovod_keras.root_only([keras.callbacks.History()])),
         "is_root": dm.horovod_keras.is_root(),
     }
-    for opt_name in ("sgd", "adam"):
-        for mode, eager in (("fit", False), ("callable", False), ("callable_eager", True)):
-            w, opt, _ = P.train(default, opt_name, mode.split("_")[0], eager=eager,
-                                dataset=P.local_dataset(rank, size), loss_denominator=local)
-            results[f"{opt_name}/{mode}"] = {"weights": lists(w), "calls": counter.take(),
-                                             "iterations": int(opt.iterations.numpy())}
+    for key in P.HOROVOD_CASES:
+        opt_name, mode, clip = (key.split("/") + ["always"])[:3]
+        w, opt, _ = P.train(default, opt_name, mode.split("_")[0], eager=mode.endswith("_eager"), clip=clip,
+                            dataset=P.local_dataset(rank, size), loss_denominator=local)
+        results[key] = {"weights": lists(w), "calls": counter.take(), "iterations": int(opt.iterations.numpy()),
+                        "clipped_steps": P.clipped_steps(opt)}
     for bad in range(size):
         # An inf planted at step 2 on rank `bad` only: every rank must skip it.
         w, opt = P.train_custom(default, lambda: P.lso_sgd(dm, keras), P.local_dataset(rank, size), P.STEPS, local,
@@ -125,16 +125,21 @@ if scenario == "parity":
         results["nccl_error"] = None
     except ValueError as e:
         results["nccl_error"] = str(e)
+    # Backend options, each on SGD with the clip never firing (an unclipped step is
+    # proportional to the aggregated gradient, so a wrong scale shows).
     sum_agg = dm.aggregation.HorovodAggregator(reduction="sum")
-    w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
+    w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
                       loss_denominator=P.GLOBAL_BATCH, aggregate=sum_agg)
     results["sum"] = {"weights": lists(w)}
     fp16 = dm.aggregation.HorovodAggregator(compression="fp16")
-    w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
-                      loss_denominator=local, aggregate=fp16)
-    results["fp16"] = {"weights": lists(w)}
-    pre = dm.aggregation.HorovodAggregator(gradient_predivide_factor=2.0)
-    w, _, _ = P.train(default, "sgd", "callable", dataset=P.local_dataset(rank, size),
+    recorder = P.MaxAbsRecorder()
+    w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
+                      loss_denominator=local, aggregate=fp16, unaggregated=recorder)
+    results["fp16"] = {"weights": lists(w), "local_max_abs": recorder.values.numpy().tolist()}
+    # A factor that differs from the process count, so dropping the pre- or the
+    # post-scaling (1/4 before the sum, 4/2 after it) changes the result.
+    pre = dm.aggregation.HorovodAggregator(gradient_predivide_factor=4.0)
+    w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
                       loss_denominator=local, aggregate=pre)
     results["predivide"] = {"weights": lists(w)}
     ids, y = P.embedding_data()
@@ -187,11 +192,11 @@ elif scenario == "mpi":
                        "mpi_enabled": bool(hvd.mpi_enabled()),
                        "same_mpi": dm.cluster.check_same_mpi()}
     results["discover"] = dm.cluster.discover().__dict__
-    for opt_name in ("sgd", "adam"):
-        for mode in ("fit", "callable"):
-            w, _, _ = P.train(default, opt_name, mode, dataset=P.local_dataset(rank, size),
-                              loss_denominator=P.GLOBAL_BATCH // size)
-            results[f"{opt_name}/{mode}"] = {"weights": lists(w)}
+    for key in P.HOROVOD_MPI_CASES:
+        opt_name, mode, clip = (key.split("/") + ["always"])[:3]
+        w, opt, _ = P.train(default, opt_name, mode, dataset=P.local_dataset(rank, size), clip=clip,
+                            loss_denominator=P.GLOBAL_BATCH // size)
+        results[key] = {"weights": lists(w), "clipped_steps": P.clipped_steps(opt)}
     a = tf.constant([1.0, 2.0, -1.0]) if rank == 0 else tf.constant([0.5, -1.0, 3.0])
     agg = dm.aggregation.HorovodAggregator(reduction="adasum")
     [(g, _)] = agg([(a, tf.Variable(tf.zeros(3)))])

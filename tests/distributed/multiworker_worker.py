@@ -1,7 +1,8 @@
 """One MultiWorkerMirroredStrategy worker of a parity run; writes its weights as JSON.
 
 Usage: multiworker_worker.py OUT_JSON CASE [CASE ...], with TF_CONFIG set by the caller.
-A CASE is "OPT/MODE" (e.g. "sgd/fit", "adam/callable"). Every worker holds its own
+A CASE is "OPT/MODE[/CLIP]" (e.g. "adam/callable", "sgd-0.01/tape/some"; CLIP is a
+clip mode of parity_lib.CLIPS, default "always"). Every worker holds its own
 shard of each global batch; each trains the same model and writes the final weights.
 Collectives time out (DM_COLLECTIVE_TIMEOUT seconds) so a lost peer fails fast.
 """
@@ -37,7 +38,8 @@ import dist_minimize as dm  # noqa: E402
 import keras  # noqa: E402
 
 for case in cases:
-    opt_name, mode = case.split("/")
+    opt_name, mode, *rest = case.split("/")
+    clip = rest[0] if rest else "always"
     if opt_name == "lso_inf":
         # An inf planted at step 2 on worker `mode` only: every worker must skip it.
         bad = int(mode)
@@ -77,10 +79,11 @@ for case in cases:
                              "frames": [f.name for f in traceback.extract_tb(e.__traceback__)]}
         continue
     dataset = strategy.distribute_datasets_from_function(local_dataset)
-    got, opt, _ = P.train(strategy, opt_name, mode, dataset=dataset)
+    got, opt, _ = P.train(strategy, opt_name, mode, dataset=dataset, clip=clip)
     results[case] = {
         "weights": [w.tolist() for w in got],
         "iterations": int(opt.iterations.numpy()),
+        "clipped_steps": P.clipped_steps(opt),
     }
 with open(out_path, "w") as f:
     json.dump({"task": task, "results": results}, f)

@@ -11,9 +11,9 @@ import proc
 
 pytestmark = pytest.mark.distributed
 
-CASES = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape", "lso_inf/0", "lso_inf/1",
-         "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
-PARITY = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape"]
+PARITY = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape",
+          "sgd-0.01/callable/never", "sgd-0.01/tape/never", "sgd-0.01/callable/some", "sgd-0.01/tape/some"]
+CASES = PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
 TIMEOUT = 240
 
 
@@ -34,11 +34,23 @@ def worker_results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", PARITY)
 def test_multiworker_matches_single_device(worker_results, case):
-    opt_name, mode = case.split("/")
-    ref, _, _ = P.train(tf.distribute.get_strategy(), opt_name, mode)
+    """2 workers vs one device on the same global batches; "never"/"some" see the scale."""
+    opt_name, mode, *rest = case.split("/")
+    clip = rest[0] if rest else "always"
+    ref, _, _ = P.train(tf.distribute.get_strategy(), opt_name, mode, clip=clip)
     for worker in worker_results:
         got = [np.array(w, dtype=np.float32) for w in worker[case]["weights"]]
         assert worker[case]["iterations"] == P.STEPS
+        assert worker[case]["clipped_steps"] == P.CLIPPED_STEPS[clip]
+        assert P.max_abs_diff(ref, got) <= 1e-6
+
+
+@pytest.mark.parametrize("clip", ["never", "some"])
+def test_multiworker_matches_stock_keras_on_one_device(worker_results, clip):
+    """Independent reference: stock Keras SGD (its own global_clipnorm) on one device."""
+    ref, _, _ = P.train(tf.distribute.get_strategy(), "sgd-0.01", "fit", clip=clip, use_dm=False)
+    for worker in worker_results:
+        got = [np.array(w, dtype=np.float32) for w in worker[f"sgd-0.01/tape/{clip}"]["weights"]]
         assert P.max_abs_diff(ref, got) <= 1e-6
 
 
