@@ -37,7 +37,7 @@ for profile in $profiles; do
     continue
   fi
   setup_s=$((SECONDS - start))
-  "$venv/bin/python" -m pytest -p no:cacheprovider -ra "$@" 2>&1 | tee "$LOGS/$profile.log"
+  DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra "$@" 2>&1 | tee "$LOGS/$profile.log"
   rc=${PIPESTATUS[0]}
   ((rc == 0)) || status=1
   summary=$(grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$LOGS/$profile.log" | tail -1)

@@ -72,15 +72,51 @@ def parse_hosts(hosts: str | None, hostfile: str | None, np: int) -> list[tuple[
     return parsed
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(v) for v in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct TCP ports free on `host` right now."""
+    """`n` distinct TCP ports free on `host` right now.
+
+    Chosen at random below the kernel's ephemeral range (10000 up to its start), so that
+    no outgoing connection and no `bind(port 0)` of another process can take one between
+    this choice and the worker binding it; each is checked free by binding it. A port
+    can still be taken by another process choosing ports explicitly: `launch` retries
+    the multiworker launcher with new ports when a worker cannot bind its own.
+    """
+    import random
+
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    ports: list[int] = []
     socks = []
     try:
-        for _ in range(n):
+        for _ in range(200 * n):
+            if len(ports) == n:
+                return ports
+            if lo - 1 > 10000:
+                candidate = rng.randrange(10000, lo)
+            else:
+                candidate = 0
+            if candidate in ports:
+                continue
             s = socket.socket()
-            s.bind((host, 0))
+            try:
+                s.bind((host, candidate))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(s.getsockname()[1])
+        if len(ports) == n:
+            return ports
+        raise OSError(f"found only {len(ports)} of {n} free ports on {host}")
     finally:
         for s in socks:
             s.close()
@@ -137,39 +173,114 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
     return [(list(program), {"TF_CONFIG": tf_config(workers, i)}) for i in range(np)]
 
 
+# What TensorFlow's gRPC server reports when a worker's port is taken.
+BIND_FAILURE = "Could not start gRPC server"
+PORT_RETRIES = 3
+
+
 def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = None,
            hostfile: str | None = None, port: int | None = None, timeout: float | None = None,
            python: str = sys.executable, out=None, child_output=None) -> int:
     """Runs `script` on `np` processes with `launcher`; returns the job's exit status.
 
     The first worker to exit non-zero sets the status and the others are stopped
-    (SIGTERM, then SIGKILL after 10 s). Past `timeout` seconds every process is killed
-    and the status is 124. The commands are printed first, exactly as run, to `out`
-    (default: stdout); the workers' own output goes to `child_output` (a file) if given,
-    else to this process's stdout/stderr.
+    (SIGTERM, then SIGKILL after 10 s, to every process of the job, including those a
+    launcher such as horovodrun or mpirun started). Past `timeout` seconds every process
+    is killed and the status is 124. Any exception while the job runs (Ctrl-C, a test
+    runner's timeout) also stops every process of the job before it propagates. The
+    commands are printed first, exactly as run, to `out` (default: stdout); the
+    workers' own output goes to `child_output` (a file) if given, else to this
+    process's stdout. With the multiworker launcher and ports chosen here (no `port`),
+    a worker that cannot bind its port (another process took it in between) makes the
+    job start again on new ports, up to 3 times.
     """
     out = out if out is not None else sys.stdout
+    attempts = PORT_RETRIES + 1 if (launcher == "multiworker" and port is None) else 1
+    for attempt in range(attempts):
+        status, bind_failed = _launch_once(launcher, np, script, hosts, hostfile, port, timeout,
+                                           python, out, child_output)
+        if status == 0 or not bind_failed or attempt == attempts - 1:
+            return status
+        print(f"[launch] a worker could not bind its port ({BIND_FAILURE}); another process took it. "
+              "Retrying on new ports", file=out, flush=True)
+    return status
+
+
+def _launch_once(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output):
     steps = plan(launcher, np, script, hosts, hostfile, port, python)
     base_env = dict(os.environ)
     for k, v in FAIL_FAST_ENV.items():
         base_env.setdefault(k, v)
-    procs = []
     for cmd, extra in steps:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
         print(f"[launch] {prefix + ' ' if prefix else ''}{shlex.join(cmd)}", file=out, flush=True)
-    for cmd, extra in steps:
-        redirect = {"stdout": child_output, "stderr": subprocess.STDOUT} if child_output else {}
-        procs.append(subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True, **redirect))
-    names = [os.path.basename(cmd[0]) if len(steps) == 1 else f"worker {i}"
-             for i, (cmd, _) in enumerate(steps)]
-    return _supervise(procs, names, timeout, out)
+    # multiworker: each worker's output is read as it comes (no pipe ever fills) and
+    # forwarded, watching for a port that could not be bound.
+    watch = launcher == "multiworker"
+    sink = child_output if child_output is not None else sys.stdout
+    procs, readers, seen = [], [], {"bind_failed": False}
+    try:
+        for cmd, extra in steps:
+            if watch:
+                redirect = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+            elif child_output:
+                redirect = {"stdout": child_output, "stderr": subprocess.STDOUT}
+            else:
+                redirect = {}
+            p = subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True, **redirect)
+            procs.append(p)
+            if watch:
+                readers.append(_forward(p.stdout, sink, seen))
+        names = [os.path.basename(cmd[0]) if len(steps) == 1 else f"worker {i}"
+                 for i, (cmd, _) in enumerate(steps)]
+        status = _supervise(procs, names, timeout, out)
+    except BaseException:
+        _stop(procs)
+        raise
+    finally:
+        for t in readers:
+            t.join(timeout=5)
+    return status, seen["bind_failed"]
+
+
+def _forward(stream, sink, seen):
+    import threading
+
+    def run():
+        for raw in iter(stream.readline, b""):
+            if BIND_FAILURE.encode() in raw:
+                seen["bind_failed"] = True
+            try:
+                if hasattr(sink, "buffer"):
+                    sink.buffer.write(raw)
+                    sink.flush()
+                elif "b" in getattr(sink, "mode", ""):
+                    sink.write(raw)
+                    sink.flush()
+                else:
+                    sink.write(raw.decode(errors="replace"))
+                    sink.flush()
+            except (OSError, ValueError):
+                pass
+        stream.close()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
 
 
 def _supervise(procs: list, names: list, timeout: float | None, out) -> int:
+    """Waits for the job; stops every process of it however this ends (BaseException
+    included: pytest-timeout's `Failed`, KeyboardInterrupt, SystemExit)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
+    tree: dict[int, str] = {}
+    next_scan = 0.0
     try:
         while True:
+            if time.monotonic() >= next_scan:  # remember the job's processes while they run
+                tree.update(_process_tree([p.pid for p in procs]))
+                next_scan = time.monotonic() + 1.0
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
@@ -178,6 +289,7 @@ def _supervise(procs: list, names: list, timeout: float | None, out) -> int:
                 print(f"[launch] {names[i]} exited with status {status}{others}", file=out, flush=True)
                 break
             if all(c == 0 for c in codes):
+                _stop(procs, tree)  # only stray children of a launcher, if any, are left
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 print(f"[launch] timed out after {timeout:.0f} s; killing every worker", file=out, flush=True)
@@ -186,21 +298,84 @@ def _supervise(procs: list, names: list, timeout: float | None, out) -> int:
             time.sleep(0.2)
     except KeyboardInterrupt:
         status = 130
-    _stop(procs)
+    except BaseException:
+        _stop(procs, tree)
+        raise
+    _stop(procs, tree)
     return status if status > 0 else 128 + abs(status)
 
 
-def _stop(procs: list, grace: float = 10.0) -> None:
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _process_tree(pids: Sequence[int]) -> dict[int, str]:
+    """{pid: start time} of every live process descended from `pids` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return {}
+    starts = {}
+    for pid in entries:
+        fields = _stat(pid)
+        if fields:
+            children.setdefault(int(fields[1]), []).append(pid)
+            starts[pid] = fields[19]
+    found: dict[int, str] = {}
+    todo = list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found[child] = starts[child]
+                todo.append(child)
+    return found
+
+
+def _alive(tree: dict[int, str]) -> list[int]:
+    """The processes of `tree` still running (same pid AND start time: not a reused pid)."""
+    alive = []
+    for pid, start in tree.items():
+        fields = _stat(pid)
+        if fields and fields[19] == start and fields[0] != "Z":
+            alive.append(pid)
+    return alive
+
+
+def _stop(procs: list, tree: dict[int, str] | None = None, grace: float = 10.0) -> None:
+    """SIGTERM to each worker's process group, SIGKILL after `grace` seconds; then
+    SIGKILL to every process descended from a worker that is still alive, in whatever
+    group or session (horovodrun and mpirun start ranks in groups of their own)."""
+    tree = dict(tree or {})
+    tree.update(_process_tree([p.pid for p in procs]))
     for p in procs:
         if p.poll() is None:
             _signal(p, signal.SIGTERM)
+    for pid in _alive(tree):
+        _kill(pid, signal.SIGTERM)
     end = time.monotonic() + grace
-    while time.monotonic() < end and any(p.poll() is None for p in procs):
+    while time.monotonic() < end and (any(p.poll() is None for p in procs) or _alive(tree)):
         time.sleep(0.1)
+    tree.update(_process_tree([p.pid for p in procs]))
     for p in procs:
         if p.poll() is None:
             _signal(p, signal.SIGKILL)
+    for pid in _alive(tree):
+        _kill(pid, signal.SIGKILL)
+    for p in procs:
         p.wait()
+
+
+def _kill(pid: int, sig) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal(p, sig) -> None:

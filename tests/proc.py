@@ -6,12 +6,28 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 from dist_minimize import launcher
 from dist_minimize.launcher import free_ports  # noqa: F401  (re-exported for the tests)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _test_timeout() -> float:
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return float(tomllib.load(f)["tool"]["pytest"]["ini_options"]["timeout"])
+
+
+# pytest-timeout's limit per test (pyproject.toml), and the limit of every job a test
+# starts: shorter, so a stuck job is killed by its own supervisor (which reports its
+# output) before pytest-timeout fires; if pytest-timeout fires first anyway, the
+# supervisors stop every process of the job on the way out.
+TEST_TIMEOUT = _test_timeout()
+JOB_TIMEOUT = TEST_TIMEOUT - 60
 
 
 def tf_config(ports: list[int], index: int) -> str:
@@ -30,32 +46,59 @@ def run_all(commands: list[list[str]], envs: list[dict], timeout: float) -> list
     """Runs the commands together; returns [(returncode, output)].
 
     If one exits non-zero, the others are killed; past `timeout` seconds all are
-    killed and the returncode is -9. Each process gets its own process group, so its
-    children die with it.
+    killed and the returncode is -9. Each process gets its own process group, and
+    every process descended from one is killed with it, whatever ends the wait (an
+    exception included). Output goes to temporary files, not pipes, so a worker that
+    writes a lot never blocks.
     """
-    procs = [
-        subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         start_new_session=True, text=True)
-        for cmd, e in zip(commands, envs)
-    ]
-    outputs = [""] * len(procs)
-    deadline = time.monotonic() + timeout
+    logs = [tempfile.TemporaryFile() for _ in commands]
+    procs = []
+    tree: dict[int, str] = {}
     try:
+        for cmd, e, log in zip(commands, envs, logs):
+            procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+        deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
+            tree.update(launcher._process_tree([p.pid for p in procs]))
             if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
                 break
             time.sleep(0.2)
     finally:
+        tree.update(launcher._process_tree([p.pid for p in procs]))
         for p in procs:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        for i, p in enumerate(procs):
-            out, _ = p.communicate()
-            outputs[i] = out
+        for pid in launcher._alive(tree):
+            launcher._kill(pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read().decode(errors="replace"))
+        log.close()
     return [(p.returncode, o) for p, o in zip(procs, outputs)]
+
+
+def survivors(marker: str) -> list[str]:
+    """Command lines of live processes (not zombies) whose command line contains `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            fields = launcher._stat(int(entry))
+        except OSError:
+            continue
+        if marker in cmdline and fields and fields[0] != "Z":
+            found.append(f"{entry}: {cmdline}")
+    return found
 
 
 def python(script: str, *args: str) -> list[str]:

@@ -20,18 +20,32 @@ from dist_minimize import launcher  # noqa: E402
 pytestmark = [pytest.mark.distributed, requires_horovod]
 DEFAULT = tf.distribute.get_strategy()
 _jobs = {}
+_failed = {}
 
 
 def job(launcher_name: str, np_: int, scenario: str, tmp_root) -> list:
+    """The ranks' results of one shared job, started by the first test that needs it.
+
+    A job that failed is not started again: every test that needs it fails with its log.
+    """
     key = (launcher_name, np_, scenario)
+    if key in _failed:
+        pytest.fail(_failed[key])
     if key not in _jobs:
         out = tmp_root / f"{launcher_name}-{np_}-{scenario}"
         out.mkdir()
         log = out / "log.txt"
-        with open(log, "w") as f:
-            rc = launcher.launch(launcher_name, np_, [os.path.join(proc.ROOT, "tests/distributed/horovod_worker.py"),
-                                                      str(out), scenario], timeout=400, out=f, child_output=f)
-        assert rc == 0, f"{launcher_name} job exited {rc}:\n{log.read_text()[-5000:]}"
+        try:
+            with open(log, "w") as f:
+                rc = launcher.launch(launcher_name, np_,
+                                     [os.path.join(proc.ROOT, "tests/distributed/horovod_worker.py"),
+                                      str(out), scenario], timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
+        except BaseException:
+            _failed[key] = f"{launcher_name} job was interrupted:\n{log.read_text()[-5000:]}"
+            raise
+        if rc != 0:
+            _failed[key] = f"{launcher_name} job exited {rc}:\n{log.read_text()[-5000:]}"
+            pytest.fail(_failed[key])
         _jobs[key] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
     return _jobs[key]
 

@@ -8,26 +8,36 @@ import tensorflow as tf
 
 import parity_lib as P
 import proc
+from dist_minimize import launcher
 
 pytestmark = pytest.mark.distributed
 
 PARITY = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape",
           "sgd-0.01/callable/never", "sgd-0.01/tape/never", "sgd-0.01/callable/some", "sgd-0.01/tape/some"]
 CASES = PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
-TIMEOUT = 240
+TIMEOUT = proc.JOB_TIMEOUT
+
+
+def run_workers(out, cases, attempts: int = 4) -> list:
+    """Both workers' (returncode, output); starts again on new ports when a worker could
+    not bind its port (another process took it between the choice and the bind)."""
+    for _ in range(attempts):
+        ports = proc.free_ports(2)
+        results = proc.run_all(
+            [proc.python("tests/distributed/multiworker_worker.py", str(out / f"w{i}.json"), *cases)
+             for i in range(2)],
+            [proc.env(TF_CONFIG=proc.tf_config(ports, i), DM_COLLECTIVE_TIMEOUT=60) for i in range(2)],
+            timeout=TIMEOUT,
+        )
+        if not any(rc != 0 and launcher.BIND_FAILURE in output for rc, output in results):
+            break
+    return results
 
 
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mw")
-    ports = proc.free_ports(2)
-    results = proc.run_all(
-        [proc.python("tests/distributed/multiworker_worker.py", str(out / f"w{i}.json"), *CASES)
-         for i in range(2)],
-        [proc.env(TF_CONFIG=proc.tf_config(ports, i), DM_COLLECTIVE_TIMEOUT=60) for i in range(2)],
-        timeout=TIMEOUT,
-    )
-    for i, (rc, output) in enumerate(results):
+    for i, (rc, output) in enumerate(run_workers(out, CASES)):
         assert rc == 0, f"worker {i} exited {rc}:\n{output[-5000:]}"
     return [json.loads((out / f"w{i}.json").read_text())["results"] for i in range(2)]
 

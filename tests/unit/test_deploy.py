@@ -4,8 +4,6 @@ Kubernetes examples (their environment parsing), and the GPU check's CPU-side lo
 import json
 import os
 import re
-import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,14 +16,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def read(*parts):
     with open(os.path.join(ROOT, *parts)) as f:
         return f.read()
-
-
-@pytest.mark.parametrize("image", ["cpu", "gpu"])
-def test_dockerfiles_pass_hadolint(image):
-    hadolint = shutil.which("hadolint") or os.path.join(os.path.dirname(sys.executable), "hadolint")
-    out = subprocess.run([hadolint, os.path.join(ROOT, "docker", image, "Dockerfile")],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def run_lines(dockerfile: str) -> list[str]:
@@ -107,13 +97,6 @@ def test_mpijob_manifest_runs_the_main_job_over_mpi():
     assert (info.rank, info.size, info.launcher) == (1, 2, "openmpi")
 
 
-@pytest.mark.parametrize("script", ["slurm_horovod.sbatch", "slurm_multiworker.sbatch", "horovodrun_gloo.sh",
-                                    "horovodrun_mpi.sh", "mpirun.sh", "multiworker_local.sh", "mirrored.sh"])
-def test_launch_scripts_parse(script):
-    out = subprocess.run(["bash", "-n", os.path.join(ROOT, "launch", script)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-
-
 def test_gpu_check_plan():
     sys.path.insert(0, os.path.join(ROOT, "ci"))
     from gpu_check import plan
@@ -123,21 +106,3 @@ def test_gpu_check_plan():
     assert one["split"] and one["replicas"] == 2 and not one["nccl"] and "NCCL" in one["not_run"][0]
     eight = plan(8)
     assert eight["nccl"] and eight["replicas"] == 8 and eight["not_run"] == []
-
-
-def test_gpu_check_exits_cleanly_without_a_gpu(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "ci", "gpu_check.py"), "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "NOT RUN: parity and throughput on GPUs: no GPU found" in out.stdout
-    assert json.loads((tmp_path / "r.json").read_text())["checks"] == {}
-
-
-def test_gpu_check_logic_simulated_on_cpu(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "ci", "gpu_check.py"), "--simulate-on-cpu",
-                          "--steps", "3", "--json", str(tmp_path / "r.json")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    checks = json.loads((tmp_path / "r.json").read_text())["checks"]
-    assert checks["parity/sgd"]["passed"] and checks["parity/adam"]["passed"]
-    assert checks["throughput"]["ratio"] > 0

@@ -57,29 +57,6 @@ def test_bad_launch_arguments(kwargs, needle):
     assert needle in str(info.value)
 
 
-def test_supervisor_stops_the_others_and_forwards_the_failure(tmp_path, monkeypatch, capsys):
-    script = tmp_path / "w.py"
-    script.write_text("import json, os, sys, time\n"
-                      "i = json.loads(os.environ['TF_CONFIG'])['task']['index']\n"
-                      "time.sleep(0.5)\n"
-                      "sys.exit(3) if i == 1 else time.sleep(600)\n")
-    start = time.monotonic()
-    rc = launcher.launch("multiworker", 2, [str(script)], python=sys.executable)
-    assert rc == 3
-    assert time.monotonic() - start < 30
-    out = capsys.readouterr().out
-    assert "TF_CONFIG=" in out and "worker 1 exited with status 3; stopping the others" in out
-
-
-def test_supervisor_timeout_kills_everything(tmp_path, capsys):
-    script = tmp_path / "w.py"
-    script.write_text("import time\ntime.sleep(600)\n")
-    start = time.monotonic()
-    assert launcher.launch("multiworker", 2, [str(script)], timeout=1, python=sys.executable) == 124
-    assert time.monotonic() - start < 30
-    assert "timed out" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize("env,want", [
     ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "4", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"},
      (1, 4, 1, 2, "horovod")),

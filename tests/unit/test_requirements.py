@@ -7,8 +7,6 @@ A lock line like `pkg @ file:///tmp/x.whl` installs only on the machine that wro
 import glob
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -84,16 +82,15 @@ def test_relock_writes_only_exact_pins(tmp_path):
     """`ci/setup.sh --relock` writes through ci/lock.py: name==version for every
     distribution of this interpreter, whatever pip freeze would print."""
     out = tmp_path / "lock.txt"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "ci", "lock.py"), "write", str(out)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert lock.write(str(out)) == 0
     lines = out.read_text().splitlines()
     assert any(line.startswith(("tensorflow", "keras==")) for line in lines)
     assert not any(lock.canonical(line.split("==")[0]) in lock.EXCLUDED for line in lines)
     assert lock.problems(str(out)) == []
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "ci", "lock.py"), "check", str(out)],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    assert lock.main(["check", str(out)]) == 0
+    bad = tmp_path / "bad.txt"
+    bad.write_text("x @ file:///tmp/x.whl\n")
+    assert lock.main(["check", str(bad)]) == 1
 
 
 def test_setup_relock_uses_the_checked_writer():
