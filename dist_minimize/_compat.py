@@ -96,3 +96,23 @@ def cross_device_ops_name(strategy: tf.distribute.Strategy) -> str:
     """The class name of the all-reduce a tf.distribute strategy was built with."""
     ops = getattr(strategy.extended, "_cross_device_ops", None)
     return type(ops).__name__ if ops is not None else "none"
+
+
+def coordination_client() -> Any:
+    """TensorFlow's client of the multi-worker coordination service in this process.
+
+    `tensorflow.python.eager.context.context()` (private): its `wait_at_barrier`,
+    `set_config_key_value` and `get_config_key_value` reach the coordination service
+    that MultiWorkerMirroredStrategy starts on its first worker.
+    """
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    missing = [name for name in ("wait_at_barrier", "set_config_key_value", "get_config_key_value")
+               if not hasattr(ctx, name)]
+    if missing:
+        raise RuntimeError(
+            f"This TensorFlow ({tf.__version__}) has no {missing} on its eager context; "
+            "dist_minimize.cluster.exit_worker cannot end the workers cleanly with it. "
+            "Supported: TensorFlow 2.16-2.21.")
+    return ctx

@@ -261,3 +261,44 @@ def check_same_mpi() -> str:
             f"{libs['mpi4py']}, Horovod: {libs['horovod']}); rebuild mpi4py against "
             f"Horovod's MPI. {_compat.SETUP_HINT}")
     return libs["mpi4py"]
+
+
+def exit_worker(code: int = 0, timeout: float = 60.0) -> None:
+    """Ends this MultiWorkerMirroredStrategy worker's process cleanly; never returns.
+
+    Call it on every worker as the last statement of a job that succeeded. A worker that
+    simply returns leaves TensorFlow's coordination service to chance: the first worker
+    hosts it, and if that one exits while another is still alive, the other's heartbeat
+    fails and TensorFlow prints `Additional GRPC error information from remote target
+    /job:worker/replica:0/task:0 while calling /tensorflow.CoordinationService/Heartbeat`,
+    which reads as a failure although the job succeeded. Here every worker first waits
+    for all the others at a barrier; then every worker but the first records that it is
+    leaving and exits at once, and the first worker exits after it has seen all of them
+    leave. Output is flushed before exiting; the exit status is `code`.
+
+    Without a multi-worker cluster (no TF_CONFIG with several tasks) it only flushes and
+    exits. Raises `RuntimeError` if the other workers do not reach the barrier within
+    `timeout` seconds (a worker failed: the job must not look successful).
+    """
+    import sys
+    import time
+
+    info = _from_tf_config(os.environ)
+    if info is not None and info.size > 1:
+        client = _compat.coordination_client()
+        ms = int(timeout * 1000)
+        try:
+            client.wait_at_barrier("dist_minimize/exit_worker", ms)
+        except Exception as e:  # noqa: BLE001 - any failure here means a worker is missing
+            raise RuntimeError(
+                f"exit_worker: not every worker reached the end of the job within {timeout:.0f} s "
+                f"(this is worker {info.rank} of {info.size}): {e}") from e
+        if info.rank != 0:
+            client.set_config_key_value(f"dist_minimize/exited/{info.rank}", "1")
+        else:
+            for task in range(1, info.size):
+                client.get_config_key_value(f"dist_minimize/exited/{task}", ms)
+            time.sleep(0.5)  # the others set their key just before exiting
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -229,6 +229,11 @@ def main(argv=None) -> int:
         run_fit(args)
     elif backend == "multiworker":
         run_multiworker(args)
+        from dist_minimize import cluster
+
+        # Every worker waits for the others, then they leave in an order that leaves no
+        # heartbeat to a worker that is gone (which TensorFlow reports as a gRPC error).
+        cluster.exit_worker(0)
     else:
         run_fit(args, make_mirrored(args.replicas))
     return 0

@@ -85,7 +85,8 @@ if scenario == "parity":
                                 multiplier=lambda i, bad=bad: float("inf") if (i == 2 and rank == bad) else 1.0)
         results[f"lso_inf/{bad}"] = {"weights": lists(w), "skipped": int(opt.skipped_steps.numpy()),
                                      "iterations": int(opt.iterations.numpy()),
-                                     "loss_scale": float(opt.loss_scale.numpy())}
+                                     "loss_scale": float(opt.loss_scale.numpy()),
+                                     "clipped_steps": P.clipped_steps(opt)}
     counter.take()
     for k in (2, 4):
         x, y = P.make_data(P.STEPS * k)
@@ -93,7 +94,7 @@ if scenario == "parity":
         ds = tf.data.Dataset.from_tensor_slices((xs, ys)).batch(local)
         w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
         results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
-                                      "calls": counter.take()}
+                                      "calls": counter.take(), "clipped_steps": P.clipped_steps(opt)}
     # Accumulation through model.fit (micro-batches of the local batch size).
     x, y = P.make_data(P.STEPS * 2)
     xs, ys = P.shard_rows(x, y, rank, size)
@@ -101,7 +102,8 @@ if scenario == "parity":
     acc_opt = P.accumulating_adam(dm, keras, 2)
     model.compile(loss="mse", optimizer=acc_opt)
     model.fit(xs, ys, batch_size=local, epochs=1, verbose=0, shuffle=False)
-    results["accumulate_fit/2"] = {"weights": lists(P.weights(model)), "iterations": int(acc_opt.iterations.numpy())}
+    results["accumulate_fit/2"] = {"weights": lists(P.weights(model)), "iterations": int(acc_opt.iterations.numpy()),
+                                   "clipped_steps": P.clipped_steps(acc_opt)}
 
     # Consistency check: passes while in sync; a divergence planted on rank 1 is caught
     # by every rank at the same step.

@@ -48,7 +48,7 @@ for case in cases:
                                   multiplier=lambda i: float("inf") if (i == 2 and task == bad) else 1.0)
         results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy()),
                          "skipped": int(opt.skipped_steps.numpy()),
-                         "loss_scale": float(opt.loss_scale.numpy())}
+                         "loss_scale": float(opt.loss_scale.numpy()), "clipped_steps": P.clipped_steps(opt)}
         continue
     if opt_name == "accumulate":
         k = int(mode)
@@ -61,7 +61,8 @@ for case in cases:
         dataset = strategy.distribute_datasets_from_function(micro_dataset)
         got, opt = P.train_custom(strategy, lambda k=k: P.accumulating_adam(dm, keras, k), dataset,
                                   P.STEPS * k, P.GLOBAL_BATCH)
-        results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy())}
+        results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy()),
+                         "clipped_steps": P.clipped_steps(opt)}
         continue
     if mode == "fit_anchor":
         # Stock Keras model.fit under MultiWorkerMirroredStrategy: record how it fails.

@@ -120,6 +120,7 @@ def test_inf_on_one_rank_is_skipped_by_all(tmp_root, bad):
         c = r[f"lso_inf/{bad}"]
         assert all(np.isfinite(np.array(w)).all() for w in c["weights"])
         assert c["skipped"] == 1 and c["iterations"] == P.STEPS - 1 and c["loss_scale"] == 32.0
+        assert c["clipped_steps"] == P.STEPS - 1  # every applied step (norms >> 0.5)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -129,6 +130,7 @@ def test_accumulation_parity_and_one_allreduce_per_update(tmp_root, k):
         c = r[f"accumulate/{k}"]
         assert c["iterations"] == P.STEPS
         assert c["calls"] == {"grouped_allreduce": P.STEPS, "allreduce": 0}  # not STEPS * k
+        assert c["clipped_steps"] == P.STEPS  # once per update
         assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
 
 
@@ -136,7 +138,7 @@ def test_accumulation_through_fit(tmp_root):
     ref = P.reference_accumulation(2)
     for r in job("horovod-gloo", 2, "parity", tmp_root):
         c = r["accumulate_fit/2"]
-        assert c["iterations"] == P.STEPS
+        assert c["iterations"] == P.STEPS and c["clipped_steps"] == P.STEPS
         assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
 
 

@@ -162,6 +162,7 @@ def test_accumulation_parity_and_one_aggregation_per_update(monkeypatch, k, mode
     got, opt = _accumulation_run(strategy(), k, mode, count)
     assert P.max_abs_diff(P.weights(ref_model), got) <= 1e-6
     assert int(opt.iterations.numpy()) == P.STEPS
+    assert P.clipped_steps(opt) == P.STEPS  # clipped once per update, not per micro-step
     if mode == "eager":
         # One all-reduce per replica per UPDATE (STEPS updates of K micro-steps each).
         assert count["n"] == 2 * P.STEPS

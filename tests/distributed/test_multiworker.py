@@ -92,6 +92,7 @@ def test_inf_on_one_worker_is_skipped_by_all(worker_results, bad):
         assert all(np.isfinite(np.array(w)).all() for w in r["weights"])
         assert r["skipped"] == 1 and r["iterations"] == P.STEPS - 1
         assert r["loss_scale"] == 32.0  # halved once, on every worker
+        assert r["clipped_steps"] == P.STEPS - 1  # every applied step (norms >> 0.5)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -100,4 +101,5 @@ def test_accumulation_parity(worker_results, k):
     for worker in worker_results:
         r = worker[f"accumulate/{k}"]
         assert r["iterations"] == P.STEPS
+        assert r["clipped_steps"] == P.STEPS  # clipped once per update, not per micro-step
         assert P.max_abs_diff(ref, [np.array(w, dtype=np.float32) for w in r["weights"]]) <= 1e-6

@@ -1,0 +1,217 @@
+"""Proves the tests can fail: applies each deliberate mistake to a temporary copy of the
+repository and runs the tests that must catch it.
+
+  .venv/bin/python ci/mutations.py             every mutation (about 15 minutes on 2 cores)
+  .venv/bin/python ci/mutations.py NAME [...]  only these (see --list)
+  .venv/bin/python ci/mutations.py --list
+
+Not part of the CI run. For each mutation the copy gets exactly one textual change (the
+script stops if the text to change is not found exactly once, so it cannot silently test
+nothing), then pytest runs the named tests there with PYTHONPATH on the copy (worker
+processes, horovodrun ranks and mpirun ranks import the mutated package too). A
+mutation is CAUGHT when at least one of those tests fails; the failing tests are listed.
+First, a control run of every selected test on the unmutated copy must pass, so that a
+failure means the mutation. Prints a table and writes it to --out (default:
+mutations.md in the current folder) as Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIRRORED = "tests/distributed/test_mirrored.py"
+MULTIWORKER = "tests/distributed/test_multiworker.py"
+HOROVOD = "tests/distributed/test_horovod.py"
+PROCESSES = "tests/distributed/test_processes.py"
+HOROVOD_PARITY = f"{HOROVOD}::test_parity_with_single_device"
+
+
+@dataclass
+class Mutation:
+    name: str
+    what: str
+    path: str
+    old: str | tuple[str, ...]  # one text, or several (each changed to the matching `new`)
+    new: str | tuple[str, ...]
+    tests: list[str]
+
+    def edits(self) -> list[tuple[str, str]]:
+        if isinstance(self.old, tuple):
+            return list(zip(self.old, self.new))
+        return [(self.old, self.new)]
+
+
+MUTATIONS = [
+    Mutation("strategy-mean", "strategy backend reduces with MEAN instead of SUM",
+             "dist_minimize/aggregation/strategy.py",
+             "ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads", "ctx.all_reduce(tf.distribute.ReduceOp.MEAN, grads",
+             [MIRRORED, MULTIWORKER]),
+    Mutation("horovod-sum", "Horovod backend uses Sum instead of Average",
+             "dist_minimize/aggregation/horovod.py",
+             '            kwargs["op"] = hvd.Average', '            kwargs["op"] = hvd.Sum',
+             [HOROVOD_PARITY]),
+    Mutation("aggregate-twice", "the optimizer runs aggregate_gradients twice per step",
+             "dist_minimize/optimizer.py",
+             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
+             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             [MIRRORED, MULTIWORKER, HOROVOD_PARITY, f"{HOROVOD}::test_one_grouped_allreduce_per_step"]),
+    Mutation("keras-all-reduce-kept", "the inner Keras optimizer's own all-reduce is left on (two aggregations)",
+             "dist_minimize/_compat.py",
+             "    optimizer._all_reduce_sum_gradients = _identity_grads_and_vars",
+             "    pass",
+             [MIRRORED, MULTIWORKER]),
+    Mutation("strategy-reduce-twice", "the strategy backend all-reduces the gradients twice",
+             "dist_minimize/aggregation/strategy.py",
+             "        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads, options=self.options)\n",
+             "        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads, options=self.options)\n"
+             "        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, reduced, options=self.options)\n",
+             [MIRRORED, MULTIWORKER]),
+    Mutation("horovod-reduce-twice", "the Horovod backend runs its grouped allreduce twice",
+             "dist_minimize/aggregation/horovod.py",
+             "            out = hvd.grouped_allreduce([grads[i] for i in dense_idx], **self._allreduce_kwargs(size))\n",
+             "            out = hvd.grouped_allreduce([grads[i] for i in dense_idx], **self._allreduce_kwargs(size))\n"
+             "            out = hvd.grouped_allreduce(list(out), **self._allreduce_kwargs(size))\n",
+             [HOROVOD_PARITY, f"{HOROVOD}::test_one_grouped_allreduce_per_step",
+              f"{HOROVOD}::test_sum_reduction_with_global_batch_loss"]),
+    Mutation("predivide-no-postscale", "gradient_predivide_factor: the post-scaling is dropped",
+             "dist_minimize/aggregation/horovod.py",
+             '            kwargs["postscale_factor"] = self.gradient_predivide_factor / size\n', "",
+             [f"{HOROVOD}::test_predivide_factor_keeps_the_average"]),
+    Mutation("predivide-no-prescale", "gradient_predivide_factor: the pre-scaling is dropped",
+             "dist_minimize/aggregation/horovod.py",
+             '            kwargs["prescale_factor"] = 1.0 / self.gradient_predivide_factor\n', "",
+             [f"{HOROVOD}::test_predivide_factor_keeps_the_average"]),
+    Mutation("fp16-skipped", "compression='fp16' silently sends float32",
+             "dist_minimize/aggregation/horovod.py",
+             'hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none',
+             "hvd.Compression.none",
+             [f"{HOROVOD}::test_fp16_compression_within_its_bound_and_not_skipped"]),
+    Mutation("clip-before-aggregation", "transform_gradients (the clipper) runs before aggregation",
+             "dist_minimize/optimizer.py",
+             '        if aggregate:\n'
+             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
+             '        grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
+             '        grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
+             '        if aggregate:\n'
+             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             [MIRRORED, MULTIWORKER, HOROVOD_PARITY]),
+    Mutation("exit-worker-skipped", "the main job's multiworker workers just return (no ordered exit)",
+             "launch/train.py", "        cluster.exit_worker(0)\n", "        pass\n",
+             ["tests/distributed/test_main_job.py"]),
+    Mutation("supervisor-leaves-workers", "the launcher does not stop the job when an exception ends its wait",
+             "dist_minimize/launcher.py",
+             ("    except BaseException:\n        _stop(procs, tree)\n        raise\n",
+              "    except BaseException:\n        _stop(procs)\n        raise\n"),
+             ("    except BaseException:\n        raise\n", "    except BaseException:\n        raise\n"),
+             [f"{PROCESSES}::test_no_worker_survives_an_exception_in_the_supervisor"]),
+]
+
+
+def copy_repo(source: str, dest: str) -> None:
+    skip = {".git", ".ci-venvs", "__pycache__", ".pytest_cache"}
+
+    def ignore(folder, names):
+        return [n for n in names if n in skip or n.startswith(".venv") or n.startswith(".test-logs")
+                or n.endswith(".egg-info")]
+
+    shutil.copytree(source, dest, ignore=ignore)
+
+
+def run_tests(copy: str, tests: list[str], timeout: float) -> tuple[int, list[str], str]:
+    env = {**os.environ, "PYTHONPATH": copy, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfE", *tests]
+    try:
+        r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout,
+                           start_new_session=True)
+        out, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, [], out
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)))
+    return rc, failed, out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    p.add_argument("--list", action="store_true")
+    p.add_argument("--out", default="mutations.md")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
+    args = p.parse_args(argv)
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:28} {m.what}")
+        return 0
+    known = {m.name: m for m in MUTATIONS}
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        p.error(f"unknown mutation(s) {unknown}; see --list")
+    chosen = [known[n] for n in args.names] if args.names else MUTATIONS
+
+    rows, status = [], 0
+    with tempfile.TemporaryDirectory(prefix="dm-mutations-") as tmp:
+        # One snapshot of the working tree at the start: edits made while this runs do
+        # not leak into later mutations.
+        snapshot = os.path.join(tmp, "snapshot")
+        copy_repo(ROOT, snapshot)
+        control = os.path.join(tmp, "control")
+        copy_repo(snapshot, control)
+        tests = sorted({t for m in chosen for t in m.tests})
+        start = time.monotonic()
+        rc, failed, out = run_tests(control, tests, args.timeout)
+        print(f"[mutations] control run of {len(tests)} test selections: exit {rc} "
+              f"({time.monotonic() - start:.0f} s)", flush=True)
+        if rc != 0:
+            print(out[-5000:])
+            print("[mutations] the unmutated copy fails these tests; fix that first", file=sys.stderr)
+            return 1
+        shutil.rmtree(control)
+        for m in chosen:
+            copy = os.path.join(tmp, m.name)
+            copy_repo(snapshot, copy)
+            path = os.path.join(copy, m.path)
+            with open(path) as f:
+                text = f.read()
+            for old, new in m.edits():
+                if text.count(old) != 1:
+                    print(f"[mutations] {m.name}: the text to change occurs {text.count(old)} times in {m.path}; "
+                          "update the mutation", file=sys.stderr)
+                    return 2
+                text = text.replace(old, new)
+            with open(path, "w") as f:
+                f.write(text)
+            start = time.monotonic()
+            rc, failed, out = run_tests(copy, m.tests, args.timeout)
+            caught = rc != 0 and bool(failed)
+            status |= 0 if caught else 1
+            rows.append((m, caught, failed, time.monotonic() - start))
+            print(f"[mutations] {m.name}: {'CAUGHT' if caught else 'NOT CAUGHT'} "
+                  f"({len(failed)} failing, {time.monotonic() - start:.0f} s)", flush=True)
+            for t in failed[:8]:
+                print(f"    {t}")
+            if not caught and rc != 0:
+                print(out[-3000:])
+            shutil.rmtree(copy)
+    lines = ["| mutation | what | caught | failing tests (first 6 of n) |", "|---|---|---|---|"]
+    for m, caught, failed, _ in rows:
+        shown = "<br>".join(failed[:6]) + (f"<br>... {len(failed)} in all" if len(failed) > 6 else "")
+        lines.append(f"| {m.name} | {m.what} | {'yes' if caught else '**NO**'} | {shown} |")
+    table = "\n".join(lines)
+    print(table)
+    with open(args.out, "w") as f:
+        f.write(table + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Canaries: one test per private Keras/TensorFlow internal that dist_minimize/_compat.py
+uses. Each fails, naming the internal, when a Keras or TensorFlow release moves it."""
+
+import keras
+import tensorflow as tf
+
+from dist_minimize import _compat
+
+
+def test_no_automatic_dependency_tracking_is_keras_decorator():
+    from keras.src.utils import tracking
+
+    assert _compat.no_automatic_dependency_tracking is tracking.no_automatic_dependency_tracking
+
+
+def test_keras_tf_optimizer_all_reduces_through_all_reduce_sum_gradients():
+    """Keras's TensorFlow optimizer must still reduce in `_all_reduce_sum_gradients`,
+    and disabling it must make that the identity on one instance only."""
+    opt, other = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+    assert callable(getattr(opt, "_all_reduce_sum_gradients", None))
+    import inspect
+
+    from keras.src.backend.tensorflow import optimizer as tf_optimizer
+
+    assert "_all_reduce_sum_gradients" in inspect.getsource(tf_optimizer.TFOptimizer)
+    _compat.disable_keras_all_reduce(opt)
+    g = [(tf.constant([1.0]), tf.Variable([0.0]))]
+    assert opt._all_reduce_sum_gradients(g) == g
+    assert other._all_reduce_sum_gradients is not opt._all_reduce_sum_gradients
+
+
+def test_keras_optimizer_captures_its_distribution_strategy():
+    opt = keras.optimizers.SGD(0.1)
+    assert _compat.inner_strategy(opt) is tf.distribute.get_strategy()
+
+
+def test_strategy_supports_no_merge_call_is_reachable():
+    assert _compat.strategy_uses_merge_call() in (True, False)
+    assert callable(tf.__internal__.distribute.strategy_supports_no_merge_call)
+
+
+def test_replica_local_variable_is_tracked_sync_on_read():
+    opt = keras.optimizers.SGD(0.1)
+    ref = keras.Variable([1.0, 2.0])
+    v = _compat.add_replica_local_variable(opt, ref, "acc")
+    assert tuple(v.shape) == (2,)
+    assert any(x is v for x in opt.variables)
+
+
+def test_strategy_cross_device_ops_attribute():
+    s = tf.distribute.get_strategy()
+    assert _compat.cross_device_ops_name(s) == "none"
+    assert hasattr(tf.distribute.MirroredStrategy, "__init__")
+    from tensorflow.python.distribute import mirrored_strategy
+
+    assert "_cross_device_ops" in open(mirrored_strategy.__file__).read()
+
+
+def test_coordination_client_has_barrier_and_key_value_store():
+    client = _compat.coordination_client()
+    for name in ("wait_at_barrier", "set_config_key_value", "get_config_key_value"):
+        assert callable(getattr(client, name))
