@@ -40,7 +40,8 @@ for profile in $profiles; do
   DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra "$@" 2>&1 | tee "$LOGS/$profile.log"
   rc=${PIPESTATUS[0]}
   ((rc == 0)) || status=1
-  summary=$(grep -E '^=+ .*(passed|failed|error|skipped|no tests ran).* =+$' "$LOGS/$profile.log" | tail -1)
+  summary=$(grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$LOGS/$profile.log" \
+            | tail -1 | sed -E 's/^=+ //; s/ =+$//')
   summaries+=("[test] profile $profile: ${summary:-no pytest summary} (exit $rc; set-up ${setup_s} s, tests $((SECONDS - start - setup_s)) s)")
 done
 printf '%s\n' "${summaries[@]}"
