@@ -8,7 +8,11 @@
   strategy's all-reduce can use NCCL, the strategy's own all-reduce otherwise; Horovod
   when `horovod.tensorflow` is imported and initialised with more than one process;
   otherwise the identity. The choice and its reason are logged once (logger
-  `dist_minimize`).
+  `dist_minimize`). A job of several processes (horovodrun, mpirun, srun, PMI, a
+  TF_CONFIG naming several workers) with neither a multi-replica strategy nor an
+  initialised Horovod is an error that names the fix, never N independent models
+  trained side by side. (`"none"` is the explicit statement that the caller
+  aggregates elsewhere; it is not checked.)
 * `"strategy"`: the tf.distribute all-reduce (`StrategyAggregator`).
 * `"nccl"`: NCCL, or a clear error where it cannot run (`NcclAggregator`).
 * `"horovod"`: Horovod's grouped allreduce (`HorovodAggregator`).
@@ -63,20 +67,54 @@ class AutoAggregator(Aggregator):
 
     def __init__(self):
         self._chosen: dict[str, Aggregator] = {}
+        self._job = None
 
     def select(self) -> Aggregator:
-        """Returns the backend this step uses (logging the choice the first time)."""
+        """Returns the backend this step uses (logging the choice the first time).
+
+        Raises:
+          RuntimeError: this process is one of several in a job, but nothing here
+            aggregates across them (see the module docstring).
+        """
         strategy = tf.distribute.get_strategy()
         n = strategy.num_replicas_in_sync if tf.distribute.has_strategy() else 1
         devices = list(strategy.extended.worker_devices) if n > 1 else []
         hvd = sys.modules.get("horovod.tensorflow")
+        horovod_size = _horovod_size(hvd) if hvd is not None else 1
+        if n == 1 and horovod_size == 1:
+            self._refuse_unaggregated_job(hvd)
         name, reason = auto_choice(n, devices, _compat.cross_device_ops_name(strategy) if n > 1 else "none",
-                                   _horovod_size(hvd) if hvd is not None else 1,
-                                   tf.test.is_built_with_cuda())
+                                   horovod_size, tf.test.is_built_with_cuda())
         if name not in self._chosen:
             logger.info("aggregate_gradients='auto' chose %r: %s", name, reason)
             self._chosen[name] = _BACKENDS[name]()
         return self._chosen[name]
+
+    def _refuse_unaggregated_job(self, hvd) -> None:
+        from dist_minimize import cluster
+
+        if self._job is None:
+            self._job = cluster.discover()
+        job = self._job
+        if job.size == 1:
+            return
+        if job.launcher == "tf_config":
+            raise RuntimeError(
+                f"aggregate_gradients='auto' found nothing to aggregate with, but TF_CONFIG names "
+                f"{job.size} workers (this is worker {job.rank}): each worker would train its own model. "
+                "Create the model and the optimizer inside "
+                "`tf.distribute.MultiWorkerMirroredStrategy().scope()`, or pass "
+                "aggregate_gradients='none' if you aggregate the gradients elsewhere.")
+        state = ("`horovod.tensorflow` is not imported" if hvd is None
+                 else "Horovod is imported but `hvd.init()` was not called")
+        raise RuntimeError(
+            f"aggregate_gradients='auto' found nothing to aggregate with, but this process is rank "
+            f"{job.rank} of {job.size} ({job.launcher} started {job.size} processes) and {state}: each "
+            "process would train its own model. Call `dist_minimize.horovod_keras.init()` before "
+            "building the model, and broadcast rank 0's initial weights "
+            "(`dist_minimize.horovod_keras.BroadcastVariablesCallback()` in `fit`), or create the "
+            "model and optimizer inside a `tf.distribute.MultiWorkerMirroredStrategy` scope; pass "
+            "aggregate_gradients='none' only if you aggregate the gradients elsewhere.")
 
     @property
     def reduction(self):  # type: ignore[override]

@@ -48,8 +48,9 @@ class ClipByGlobalNorm(GradientTransform):
     each gradient is scaled in its own dtype. The factor is a clamp, not a branch, so
     clipping costs no host synchronisation.
 
-    Non-finite norm: if any gradient holds an inf or NaN, the norm is not finite and the
-    scaled gradients are not finite either; the optimizer's non-finite guard
+    Non-finite norm: if any gradient holds an inf or NaN, or finite gradients have a
+    norm that overflows their accumulation dtype, the norm is not finite and the scaled
+    gradients are made non-finite (NaN) too; the optimizer's non-finite guard
     (`Optimizer(skip_nonfinite=True)`, the default) then skips the step on every
     replica, so no weight becomes NaN. Such steps are counted in `nonfinite_steps`
     and left out of `mean_norm`.
@@ -92,7 +93,12 @@ class ClipByGlobalNorm(GradientTransform):
         grads = [g for g, _ in grads_and_vars]
         norm = global_norm(grads)
         clip = tf.constant(self.clip_norm, norm.dtype)
-        factor = clip / tf.maximum(norm, clip)
+        # A norm that is not finite (an inf/NaN gradient, or finite gradients whose norm
+        # overflows) gives a NaN factor, so the scaled gradients are not finite and the
+        # non-finite guard skips the step everywhere; clip / inf = 0 would instead apply
+        # an all-zero step (advancing `iterations` and decaying Adam's moments).
+        factor = tf.where(tf.math.is_finite(norm), clip / tf.maximum(norm, clip),
+                          tf.constant(float("nan"), norm.dtype))
         if self._state is not None:
             self._record(norm, clip)
 

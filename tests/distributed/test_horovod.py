@@ -277,3 +277,25 @@ def test_failing_worker_ends_the_job_quickly(tmp_path, launcher_name, mode):
     assert "exited with status" in text
     if mode == "raise":
         assert "planted failure on rank 1" in text
+
+
+def test_auto_without_hvd_init_under_horovodrun_stops_with_the_fix(tmp_path):
+    """Defect: with "auto" and no hvd.init(), 2 ranks trained 2 independent models
+    (kernels 0.4 and -1.4 after an epoch) without a word."""
+    script = tmp_path / "no_init.py"
+    script.write_text(
+        "import os\n"
+        "import numpy as np, keras\n"
+        "import dist_minimize as dm\n"
+        "rank = int(os.environ['HOROVOD_RANK'])\n"
+        "model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])\n"
+        "model.compile(loss='mse', optimizer=dm.Optimizer(keras.optimizers.SGD(0.1)))\n"
+        "model.fit(np.ones((8, 1)), np.full((8, 1), 1.0 - 2.0 * rank), verbose=0)\n"
+        "print('TRAINED WITHOUT AGGREGATION', flush=True)\n")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        rc = launcher.launch("horovod-gloo", 2, [str(script)], timeout=120, out=f, child_output=f)
+    text = log.read_text()
+    assert rc not in (0, 124), text[-3000:]
+    assert "TRAINED WITHOUT AGGREGATION" not in text
+    assert "dist_minimize.horovod_keras.init()" in text and "horovod started 2 processes" in text

@@ -1,6 +1,7 @@
 """Bad input fails where the mistake is made, naming the argument and the value."""
 
 import builtins
+import os
 
 import keras
 import pytest
@@ -78,6 +79,8 @@ CASES = [
     ("clip_norm inf", lambda: dm.clip_by_global_norm(float("inf")), ValueError, ["clip_norm=inf"]),
     ("clip_norm string", lambda: dm.clip_by_global_norm("big"), TypeError, ["clip_norm='big'"]),
     ("clip_norm bool", lambda: dm.clip_by_norm(True), ValueError, ["clip_norm=True"]),
+    ("clip_norm numeric string", lambda: dm.clip_by_global_norm("1.0"), TypeError, ["clip_norm='1.0'"]),
+    ("clip_value numeric string", lambda: dm.clip_by_value("0.5"), TypeError, ["'0.5'"]),
     ("clip_value zero", lambda: dm.clip_by_value(0), ValueError, ["`clip_value`", "clip_value=0"]),
     ("unknown backend", lambda: dm.Optimizer(sgd(), aggregate_gradients="gloo"),
      ValueError, ["`aggregate_gradients`", "aggregate_gradients='gloo'", "'strategy'"]),
@@ -139,3 +142,35 @@ def test_inner_created_outside_strategy_scope_is_refused():
         v = tf.Variable(1.0)
         with pytest.raises(ValueError, match="strategy.scope"):
             opt.build([v])
+
+
+HOROVODRUN_ENV = {"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "1", "HOROVOD_LOCAL_SIZE": "2"}
+TF_CONFIG_2 = ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
+               '"task": {"type": "worker", "index": 0}}')
+
+
+@pytest.mark.parametrize("env,needles", [
+    (HOROVODRUN_ENV, ["rank 1 of 2", "horovod started 2 processes", "dist_minimize.horovod_keras.init()",
+                      "BroadcastVariablesCallback", "aggregate_gradients='none'"]),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, ["rank 0 of 3", "openmpi started 3 processes"]),
+    ({"TF_CONFIG": TF_CONFIG_2}, ["TF_CONFIG names 2 workers", "MultiWorkerMirroredStrategy().scope()"]),
+])
+def test_auto_refuses_a_multiprocess_job_with_nothing_to_aggregate(monkeypatch, env, needles):
+    """Defect: under horovodrun without hvd.init(), "auto" trained N independent models."""
+    for k in list(os.environ):
+        if k.startswith(("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_")) or k == "TF_CONFIG":
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    v = tf.Variable([1.0])
+    opt = dm.Optimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(RuntimeError) as info:
+        opt.apply_gradients([(tf.constant([1.0]), v)])
+    for needle in needles:
+        assert needle in str(info.value)
+    assert float(v.numpy()[0]) == 1.0  # nothing applied
+    # "none" is the caller's explicit statement that it aggregates elsewhere.
+    explicit = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="none")
+    explicit.apply_gradients([(tf.constant([1.0]), v)])
+    assert float(v.numpy()[0]) == pytest.approx(0.9)

@@ -371,3 +371,28 @@ def test_gradient_stats_logger_reports_epoch_means(capsys):
     total = float(clip.stats()["norm_sum"])
     assert sum(logs["grad_norm"]) * P.STEPS == pytest.approx(total, rel=1e-6)
     assert "grad_norm=" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_overflowing_global_norm_is_skipped_and_counted(use_function):
+    """Defect: finite float32 gradients whose norm overflows (elements ~1e19) gave a clip
+    factor 0 and an APPLIED all-zero step (iterations advanced, Adam's moments decayed)."""
+    v = tf.Variable([1.0, 2.0])
+    clip = dm.clip_by_global_norm(1.0)
+    opt = dm.Optimizer(keras.optimizers.Adam(0.1), transform_gradients=clip)
+    opt.build([v])
+    step = (lambda g: opt.apply_gradients([(g, v)]))
+    if use_function:
+        step = tf.function(step)
+    step(tf.constant([0.5, -0.5]))
+    moments = [np.array(x) for x in opt.inner_optimizer.variables]
+    after_first = np.array(v)
+    big = tf.constant([3e19, 3e19])
+    assert np.isfinite(big.numpy()).all() and not np.isfinite(float(tf.norm(big)))
+    step(big)
+    np.testing.assert_array_equal(np.array(v), after_first)
+    for before, now in zip(moments, opt.inner_optimizer.variables):
+        np.testing.assert_array_equal(before, np.array(now))
+    assert int(opt.iterations.numpy()) == 1
+    assert int(opt.skipped_steps.numpy()) == 1
+    assert float(clip.stats()["nonfinite_steps"]) == 1.0
