@@ -33,8 +33,30 @@ class StrategyAggregator(Aggregator):
     name = "strategy"
     reduction = "sum"
 
-    def __init__(self, options: tf.distribute.experimental.CommunicationOptions | None = None):
+    def __init__(self, options: tf.distribute.experimental.CommunicationOptions | dict | None = None):
+        if isinstance(options, dict):  # from get_config
+            options = tf.distribute.experimental.CommunicationOptions(
+                bytes_per_pack=int(options.get("bytes_per_pack", 0)),
+                timeout_seconds=options.get("timeout_seconds"),
+                implementation=tf.distribute.experimental.CommunicationImplementation[
+                    options.get("implementation", "AUTO")])
+        elif options is not None and not isinstance(options, type(tf.distribute.experimental.CommunicationOptions())):
+            raise TypeError(
+                "`options` must be a tf.distribute.experimental.CommunicationOptions or None. "
+                f"Received: options={options!r} of type {type(options).__name__}")
         self.options = options
+
+    def get_config(self) -> dict:
+        """The options as plain values (bytes per pack, timeout, implementation name)."""
+        if self.options is None:
+            return {}
+        o = self.options
+        return {"options": {"bytes_per_pack": int(o.bytes_per_pack), "timeout_seconds": o.timeout_seconds,
+                            "implementation": o.implementation.name}}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
 
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
         grads_and_vars = list(grads_and_vars)

@@ -396,3 +396,27 @@ def test_overflowing_global_norm_is_skipped_and_counted(use_function):
     assert int(opt.iterations.numpy()) == 1
     assert int(opt.skipped_steps.numpy()) == 1
     assert float(clip.stats()["nonfinite_steps"]) == 1.0
+
+
+def test_strategy_aggregator_options_survive_config_and_keras_file(tmp_path):
+    """Defect: StrategyAggregator(options=...) was serialised as the bare name "strategy"."""
+    options = tf.distribute.experimental.CommunicationOptions(
+        bytes_per_pack=1024, timeout_seconds=30.0,
+        implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+    opt = dm.Optimizer(keras.optimizers.SGD(0.1),
+                       aggregate_gradients=dm.aggregation.StrategyAggregator(options=options))
+    again = dm.Optimizer.from_config(opt.get_config())
+    [agg] = [t for t in again.transforms if isinstance(t, dm.aggregation.StrategyAggregator)]
+    assert (agg.options.bytes_per_pack, agg.options.timeout_seconds, agg.options.implementation.name) == (
+        1024, 30.0, "RING")
+    model, _, _ = _fit_model(opt)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    [loaded] = [t for t in keras.models.load_model(path).optimizer.transforms
+                if isinstance(t, dm.aggregation.StrategyAggregator)]
+    assert loaded.options.implementation.name == "RING" and loaded.options.bytes_per_pack == 1024
+    # Default options still serialise as the plain name.
+    assert dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="strategy").get_config()[
+        "aggregate_gradients"] == ["strategy"]
+    with pytest.raises(TypeError, match="options=3"):
+        dm.aggregation.StrategyAggregator(options=3)
