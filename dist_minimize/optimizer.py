@@ -234,6 +234,11 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
         taken once, in the cross-replica context, on replica 0's `condition` (equal on
         all, by contract), and `fn` then runs on every replica. `otherwise` runs once
         there; elsewhere (no strategy, Horovod) both run in each process.
+
+        Pass every per-replica tensor `fn` needs through `args`: under merge-call
+        strategies `fn` runs from the cross-replica context, where a tensor it captured
+        from the calling replica is replica 0's on every replica. Variables may be
+        captured (each replica resolves its own copy).
         """
         otherwise = otherwise if otherwise is not None else (lambda: None)
         ctx = tf.distribute.get_replica_context()

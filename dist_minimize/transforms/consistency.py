@@ -79,7 +79,10 @@ class ConsistencyCheck(GradientTransform):
             names.append(f"weight {name}")
             values.append(v)
 
-        def check():
+        def check(values):
+            # `values` arrive through `run_if`'s args: under a merge-call strategy each
+            # replica gets its OWN gradients here (a captured tensor would be replica 0's
+            # on every replica, and gradients that differ would pass).
             local = tf.stack([_fingerprint(x) for x in values])
             total, n = _sum_across(local)
             mismatch = tf.cast(tf.not_equal(total, local * n), tf.int64)
@@ -90,7 +93,7 @@ class ConsistencyCheck(GradientTransform):
                 [tf.strings.join([tf.strings.format("Replicas diverged at step {}: first differing: ", step),
                                   tf.gather(tf.constant(names), first)])])
 
-        self._optimizer.run_if(tf.equal(step % self.every_n_steps, 0), check)
+        self._optimizer.run_if(tf.equal(step % self.every_n_steps, 0), check, args=(values,))
         return grads_and_vars
 
     def get_config(self) -> dict:

@@ -212,3 +212,27 @@ def test_loss_scaling_with_mixed_precision_fit(policy):
         assert history.history["loss"][-1] < history.history["loss"][0]
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_consistency_check_catches_gradients_that_differ_at_that_step(use_function):
+    """Defect: run_if ran replica 0's closure on every replica, so the check compared
+    replica 0's captured gradients with themselves; with a do-nothing aggregator, gradients
+    that differ across replicas passed step 1 (only the weights' divergence was seen, a step
+    later)."""
+    s = strategy()
+    with s.scope():
+        w = tf.Variable([1.0, 2.0], name="w")
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="none",
+                           transform_gradients=dm.check_consistency(every_n_steps=1))
+        opt.build([w])
+
+    def replica_fn():
+        rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        opt.apply_gradients([(tf.stack([1.0, 1.0 + rid]), w)])
+
+    step = tf.function(lambda: s.run(replica_fn)) if use_function else (lambda: s.run(replica_fn))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="diverged at step 1.*gradient of w"):
+        step()
+    for copy in local_values(w):  # stopped before any update
+        np.testing.assert_array_equal(copy, [1.0, 2.0])
