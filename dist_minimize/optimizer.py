@@ -277,6 +277,21 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
                 f"loss_scale_factor={value!r} on {type(self).__name__}")
         super().__setattr__(name, value)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Exempts variables from the wrapped Keras optimizer's `weight_decay`.
+
+        Keras's public way to do it, forwarded to the optimizer that applies the decay
+        (on this object itself it would change nothing).
+        """
+        self._decaying_optimizer().exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def _decaying_optimizer(self):
+        """The Keras optimizer whose update rule applies `weight_decay`."""
+        opt = self
+        while not isinstance(opt, Optimizer):
+            opt = opt.wrapped
+        return opt.inner_optimizer
+
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Not supported: dist_minimize optimizers are stateful (TensorFlow backend)."""
         raise ValueError("dist_minimize optimizers are stateful (TensorFlow backend only).")

@@ -420,3 +420,26 @@ def test_strategy_aggregator_options_survive_config_and_keras_file(tmp_path):
         "aggregate_gradients"] == ["strategy"]
     with pytest.raises(TypeError, match="options=3"):
         dm.aggregation.StrategyAggregator(options=3)
+
+
+WEIGHT_DECAY_OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam",
+                           "Lion", "Adafactor"]  # Ftrl moves a variable to 0 on zero gradients
+
+
+@pytest.mark.parametrize("name", WEIGHT_DECAY_OPTIMIZERS)
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_exclude_from_weight_decay_reaches_the_update_rule(name, wrapped):
+    """Defect: `exclude_from_weight_decay` on a dm.Optimizer was silently ignored (the inner
+    optimizer decayed the excluded variables: 1.992 instead of 2.0). Keras's own
+    test_weight_decay, with each optimizer wrapped."""
+    var1, var2, var3 = (keras.Variable(2.0), keras.Variable(2.0, name="exclude"), keras.Variable(2.0))
+    inner = getattr(keras.optimizers, name)(learning_rate=1.0, weight_decay=0.004)
+    opt = dm.Optimizer(inner)
+    if wrapped:
+        opt = dm.GradientAccumulation(opt, 1)
+    opt.exclude_from_weight_decay(var_list=[var3], var_names=["exclude"])
+    grads = [tf.zeros(()) for _ in range(3)]
+    opt.apply_gradients(zip(grads, [var1, var2, var3]))
+    assert float(var1.numpy()) == pytest.approx(1.992, abs=1e-6)
+    assert float(var2.numpy()) == 2.0
+    assert float(var3.numpy()) == 2.0
