@@ -78,6 +78,8 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
         grads = tape.gradient(loss, list(variables))
         return list(zip(grads, variables))
 
+    get_gradients._dm_default_stage = True  # not an override (see `scale_loss`)
+
     @abc.abstractmethod
     def transform_unaggregated_gradients(self, grads_and_vars: list) -> list:
         """Transforms each replica's own gradients, before aggregation."""
@@ -177,7 +179,23 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
         return self.apply_gradients(zip(grads, trainable_variables))
 
     def scale_loss(self, loss):
-        """Keras `model.fit` hook: runs `transform_loss` inside the training tape."""
+        """Keras `model.fit` hook: runs `transform_loss` inside the training tape.
+
+        Raises:
+          RuntimeError: an optimizer of the stack overrides `get_gradients`, which
+            Keras's `fit` never calls (it takes the gradients from its own tape and calls
+            `apply_gradients`): the override would be silently skipped.
+        """
+        opt = self
+        while opt is not None:
+            if not getattr(type(opt).get_gradients, "_dm_default_stage", False):
+                raise RuntimeError(
+                    f"{type(opt).__name__} overrides `get_gradients`, but Keras's `model.fit` never "
+                    "calls it: it computes the gradients with its own tape and calls "
+                    "`apply_gradients`, so the override would be skipped without a word. Train with a "
+                    "custom loop that calls `optimizer.minimize(loss, variables, tape=tape)` (it runs "
+                    "every stage), or move the change into `transform_unaggregated_gradients`.")
+            opt = getattr(opt, "wrapped", None)
         return self.transform_loss(loss)
 
     @staticmethod

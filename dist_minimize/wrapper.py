@@ -56,6 +56,8 @@ class OptimizerWrapper(StagedOptimizer):
         """Delegates to the wrapped optimizer."""
         return self.wrapped.get_gradients(loss, variables, tape)
 
+    get_gradients._dm_default_stage = True  # delegation, not an override (see `scale_loss`)
+
     def transform_unaggregated_gradients(self, grads_and_vars):
         """Delegates to the wrapped optimizer."""
         return self.wrapped.transform_unaggregated_gradients(grads_and_vars)

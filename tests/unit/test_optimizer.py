@@ -443,3 +443,36 @@ def test_exclude_from_weight_decay_reaches_the_update_rule(name, wrapped):
     assert float(var1.numpy()) == pytest.approx(1.992, abs=1e-6)
     assert float(var2.numpy()) == 2.0
     assert float(var3.numpy()) == 2.0
+
+
+class _MicrobatchGradients(dm.Optimizer):
+    """Overrides get_gradients (e.g. per-example gradients for DP-SGD)."""
+
+    def get_gradients(self, loss, variables, tape):
+        return [(None if g is None else 2.0 * g, v) for g, v in super().get_gradients(loss, variables, tape)]
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_fit_refuses_an_overridden_get_gradients_it_would_skip(wrapped):
+    """Defect: Keras's fit never calls get_gradients, so an override was silently ignored."""
+    opt = _MicrobatchGradients(keras.optimizers.SGD(0.1))
+    if wrapped:
+        opt = dm.LossScaleOptimizer(opt)
+    x, y = P.make_data()
+    model = P.make_model(keras)
+    model.compile(loss="mse", optimizer=opt)
+    before = P.weights(model)
+    with pytest.raises(RuntimeError, match="_MicrobatchGradients overrides `get_gradients`.*minimize"):
+        model.fit(x, y, batch_size=P.GLOBAL_BATCH, epochs=1, verbose=0)
+    assert P.max_abs_diff(before, P.weights(model)) == 0.0
+    # The same optimizer in a custom loop runs the override.
+    v = tf.Variable([1.0])
+    custom = _MicrobatchGradients(keras.optimizers.SGD(0.1), aggregate_gradients="none")
+    custom.minimize(lambda: tf.reduce_sum(v), [v])
+    assert float(v.numpy()[0]) == pytest.approx(1.0 - 0.1 * 2.0)
+
+
+def test_fit_with_default_stages_still_trains():
+    opt = dm.LossScaleOptimizer(dm.Optimizer(keras.optimizers.SGD(0.1)))
+    model, _, _ = _fit_model(opt)
+    assert int(opt.iterations.numpy()) == P.STEPS
