@@ -12,7 +12,7 @@ Public API:
   launcher: horovodrun / mpirun / multi-worker / mirrored launches.
 """
 
-from dist_minimize import aggregation, callbacks, cluster, horovod_keras, launcher
+from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher
 from dist_minimize._compat import MissingDependencyError
 from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite
 from dist_minimize.transforms import (
@@ -27,7 +27,7 @@ from dist_minimize.transforms import (
 )
 from dist_minimize.transforms.consistency import ConsistencyCheck, check_consistency
 from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps, limit_nonfinite_steps
-from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrapper import OptimizerWrapper, swap_values
 from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer
 
 __version__ = "0.1.0"
@@ -50,9 +50,11 @@ __all__ = [
     "callbacks",
     "check_consistency",
     "cluster",
+    "distribute",
     "horovod_keras",
     "launcher",
     "limit_nonfinite_steps",
+    "swap_values",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",

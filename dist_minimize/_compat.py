@@ -12,6 +12,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from keras.src.utils import tracking as _keras_tracking
 from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: E402,F401
 
 SETUP_HINT = "Run `bash ci/setup.sh` (it builds Horovod 0.28.1 with TensorFlow, Gloo and MPI)."
@@ -92,6 +93,72 @@ def add_replica_local_variable(optimizer: keras.optimizers.Optimizer, reference:
     return variable
 
 
+def add_replicated_variable(optimizer: keras.optimizers.Optimizer, reference: Any, name: str,
+                            initializer: Any = "zeros") -> Any:
+    """A variable shaped like `reference`, replicated like it, colocated with it.
+
+    `initializer="value"` starts it from `reference`'s current value. Aggregation
+    "only_first_replica": written in the replica context, the first replica's value goes
+    to every copy (all replicas compute the same value, by contract).
+    """
+    ref = reference.value if isinstance(reference, keras.Variable) else reference
+    if isinstance(initializer, str) and initializer == "value":
+        start = tf.identity(tf.convert_to_tensor(ref))
+
+        def initializer(shape, dtype=None):
+            return tf.cast(start, dtype) if dtype is not None else start
+
+    strategy = getattr(optimizer, "_distribution_strategy", None) or tf.distribute.get_strategy()
+    with strategy.extended.colocate_vars_with(ref):
+        return optimizer.add_variable(shape=tuple(reference.shape), initializer=initializer,
+                                      dtype=reference.dtype, aggregation="only_first_replica", name=name)
+
+
+def variable_key(optimizer: keras.optimizers.Optimizer, variable: Any) -> Any:
+    """A key that identifies a trainable variable in every context (Keras's own).
+
+    Under a strategy the same variable reaches an optimizer as the Keras variable, its
+    distributed container or one replica's component; Keras's TensorFlow optimizer maps
+    them all to one key (`_var_key`).
+    """
+    if not hasattr(optimizer, "_var_key"):
+        raise RuntimeError(
+            f"This Keras version ({keras.__version__}) has no `_var_key` on its TensorFlow optimizer; "
+            "dist_minimize cannot find a variable's slots with it. Supported: the Keras 3 that "
+            "TensorFlow 2.16-2.21 install.")
+    return optimizer._var_key(variable)
+
+
+def own_variables(optimizer: keras.optimizers.Optimizer) -> list:
+    """The variables `optimizer` created itself (Keras's `_variables`), in creation order."""
+    return list(optimizer._variables)
+
+
+class UntrackedBaseState:
+    """Mixin for dist_minimize optimizers: Keras's base constructor leaves no unused state.
+
+    Keras's `Optimizer.__init__` always creates an `iteration` variable (and, for a
+    float learning rate, a `learning_rate` variable; dist_minimize passes a callable, so
+    none). A dist_minimize optimizer counts iterations in the Keras optimizer it wraps;
+    its own counter would never change, yet be saved and checkpointed at every level of
+    a stack. So the base constructor runs with Keras's attribute tracking off and
+    `_track_variable` ignoring it, and its counter is dropped from TensorFlow's
+    checkpoint dependencies after it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        with _keras_tracking.DotNotTrackScope():
+            super().__init__(*args, **kwargs)
+        if getattr(self, "_iterations", None) is not None:
+            del self._iterations  # TensorFlow's tracking forgets the dependency
+        self._iterations = None
+        self._dm_base_released = True
+
+    def _track_variable(self, variable):
+        if getattr(self, "_dm_base_released", False):
+            super()._track_variable(variable)
+
+
 def cross_device_ops_name(strategy: tf.distribute.Strategy) -> str:
     """The class name of the all-reduce a tf.distribute strategy was built with."""
     ops = getattr(strategy.extended, "_cross_device_ops", None)
@@ -116,3 +183,4 @@ def coordination_client() -> Any:
             "dist_minimize.cluster.exit_worker cannot end the workers cleanly with it. "
             "Supported: TensorFlow 2.16-2.21.")
     return ctx
+

@@ -54,7 +54,8 @@ def check_lengths(grads: Sequence, variables: Sequence) -> None:
         )
 
 
-def _name(v) -> str:
+def variable_name(v) -> str:
+    """A variable's path (Keras) or name, for messages."""
     return getattr(v, "path", None) or getattr(v, "name", repr(v))
 
 
@@ -80,7 +81,7 @@ def check_stage_output(stage: str, before: list, after: Any) -> list:
         if v is not v0:
             raise ValueError(
                 f"Stage `{stage}` returned other variables: position {i} held "
-                f"`{_name(v0)}` and came back as `{_name(v)}`. Stages must keep the "
+                f"`{variable_name(v0)}` and came back as `{variable_name(v)}`. Stages must keep the "
                 "variables and their order."
             )
         if g is None:
@@ -94,6 +95,6 @@ def check_stage_output(stage: str, before: list, after: Any) -> list:
         if not ok:
             raise ValueError(
                 f"Stage `{stage}` returned a gradient of shape {shape} for variable "
-                f"`{_name(v)}` of shape {tuple(v.shape)}."
+                f"`{variable_name(v)}` of shape {tuple(v.shape)}."
             )
     return after

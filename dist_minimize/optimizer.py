@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _stages, aggregation
+from dist_minimize import _compat, _stages, aggregation, distribute
 
 # Keras optimizer settings that act per replica, before any aggregation, and what to
 # use instead.
@@ -39,7 +39,7 @@ _PER_REPLICA_SETTINGS = {
 }
 
 
-class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
+class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
     Subclasses implement the stages (`Optimizer` with a Keras update rule and
@@ -161,7 +161,7 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
         if aggregate:
             grads_and_vars = self._run_stage(
                 "transform_unaggregated_gradients", self.transform_unaggregated_gradients, grads_and_vars)
-        self._aggregate_and_apply(self, grads_and_vars, aggregate)
+        self.run_update(grads_and_vars, top=self, aggregate=aggregate)
         return self.iterations
 
     def apply(self, grads, trainable_variables=None):
@@ -173,7 +173,7 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
                     "`trainable_variables` is required until the optimizer is built: call "
                     "`optimizer.build(model.trainable_variables)` first. "
                     "Received: trainable_variables=None")
-            trainable_variables = self._trainable_variables
+            trainable_variables = self.trained_variables
         trainable_variables = list(trainable_variables)
         _stages.check_lengths(grads, trainable_variables)
         return self.apply_gradients(zip(grads, trainable_variables))
@@ -202,17 +202,214 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     def _run_stage(name: str, fn: Callable, grads_and_vars: list) -> list:
         return _stages.check_stage_output(name, grads_and_vars, fn(list(grads_and_vars)))
 
-    def _aggregate_and_apply(self, top: "StagedOptimizer", grads_and_vars: list, aggregate: bool) -> None:
-        """The step after `transform_unaggregated_gradients`, with `top`'s stages.
+    # -- the step protocol (what a wrapper may change besides the stages) ----------------
 
-        `top` is the outermost optimizer (the one `apply_gradients` was called on).
-        Wrappers pass this call inward, so a wrapper that changes WHEN the rest of the
-        step happens (gradient accumulation) can do so wherever it sits in a stack.
+    def run_update(self, grads_and_vars: list, *, top: "StagedOptimizer", aggregate: bool) -> None:
+        """The part of a step after `transform_unaggregated_gradients`, with `top`'s stages.
+
+        `minimize`/`apply_gradients` run `transform_loss`, `get_gradients` and
+        `transform_unaggregated_gradients` on every call (every micro-step), then call
+        `top.run_update(...)`; by default it is the update itself: `aggregate_gradients`
+        (when `aggregate`), `transform_gradients`, then `apply_updates` if
+        `top.update_condition(...)` holds, followed by `on_applied` (or `on_skipped`)
+        on every optimizer of the stack. Wrappers pass the call inward, so a wrapper
+        that changes WHEN the update happens (gradient accumulation) overrides this and
+        calls `super().run_update(...)` under `dist_minimize.distribute.run_if`.
+
+        Args:
+          grads_and_vars: this micro-step's per-replica (gradient, variable) pairs.
+          top: the outermost optimizer (the one `apply_gradients` was called on): its
+            stages are the ones that run.
+          aggregate: False when the caller aggregated already (`apply_gradients(...,
+            aggregate=False)`).
         """
         if aggregate:
             grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
         grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
-        top._guarded_apply(grads_and_vars)
+        condition = top.update_condition(grads_and_vars)
+        if condition is None:
+            top._apply_and_notify(grads_and_vars)
+        else:
+            distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
+                              otherwise=top._notify_skipped)
+
+    def update_condition(self, grads_and_vars: list) -> tf.Tensor | None:
+        """Whether this step's update is applied: a scalar bool tensor, or None for "always".
+
+        Called on the outermost optimizer with the final gradients (after
+        `transform_gradients`, identical on every replica). The condition must be
+        identical on every replica and process (`dist_minimize.distribute.run_if`).
+        Default: `all_finite(gradients)` when `skip_nonfinite`, else None. A wrapper may
+        add a condition: `tf.logical_and(super().update_condition(gv), mine)` (mind None).
+        """
+        if not self.skip_nonfinite:
+            return None
+        return all_finite([g for g, _ in grads_and_vars])
+
+    def on_applied(self, grads_and_vars: list) -> None:
+        """Called after an applied update, on every optimizer of the stack, innermost first.
+
+        Runs on every replica, after `apply_updates` (the variables hold their new
+        values), with the final gradients. For what follows an update: moving
+        averages, Lookahead's synchronisation, a loss scale's growth. Default: nothing.
+        """
+        return None
+
+    def on_skipped(self) -> None:
+        """Called after a skipped update (`update_condition` was false), on every
+        optimizer of the stack, innermost first.
+
+        Under merge-call strategies it runs once, in the cross-replica context: update
+        only replicated variables here (`add_variable(..., aggregation=
+        "only_first_replica")`, `add_slot`), not replica-local ones. Default: nothing
+        (`Optimizer` counts the skip in `skipped_steps`).
+        """
+        return None
+
+    def _apply_and_notify(self, grads_and_vars: list) -> None:
+        self.apply_updates(grads_and_vars)
+        for opt in reversed(self.stack()):
+            opt.on_applied(grads_and_vars)
+
+    def _notify_skipped(self) -> None:
+        for opt in reversed(self.stack()):
+            opt.on_skipped()
+
+    def stack(self) -> list:
+        """This optimizer and every optimizer it wraps, outermost first (the last is the
+        `Optimizer` around the Keras update rule)."""
+        out = [self]
+        while getattr(out[-1], "wrapped", None) is not None:
+            out.append(out[-1].wrapped)
+        return out
+
+    def find(self, kind: type) -> "StagedOptimizer | None":
+        """The outermost optimizer of the stack (self included) that is a `kind`, or None."""
+        for opt in self.stack():
+            if isinstance(opt, kind):
+                return opt
+        return None
+
+    # -- state -------------------------------------------------------------------------
+
+    @_compat.no_automatic_dependency_tracking
+    def build(self, var_list):
+        """Builds the stack once: the wrapped optimizers first, then `build_state`.
+
+        Override `build_state`, not this.
+        """
+        if self.built:
+            return
+        var_list = list(var_list)
+        self._build_wrapped(var_list)
+        self._dm_state = _BuiltState(var_list)
+        self.build_state(var_list)
+        super().build(var_list)
+
+    def build_state(self, var_list: list) -> None:
+        """Creates this optimizer's own state for `var_list`; called once, by `build`.
+
+        Runs under the strategy scope, after the wrapped optimizers are built. Create
+        variables with `self.add_variable(...)` (scalars, counters: pass
+        `aggregation="only_first_replica"` for a value every replica keeps alike) or
+        `self.add_slot(...)` (one per trainable variable); they are checkpointed and
+        saved with the optimizer, once. Attributes set here are not wrapped by
+        TensorFlow's tracking (plain lists and dicts stay plain). Default: nothing.
+        """
+        return None
+
+    def _build_wrapped(self, var_list: list) -> None:
+        """Builds whatever this optimizer wraps (subclasses)."""
+        return None
+
+    @property
+    def trained_variables(self) -> list:
+        """The variables this optimizer was built for, in order (empty before `build`)."""
+        state = getattr(self, "_dm_state", None)
+        return list(state.trained) if state is not None else []
+
+    def add_slot(self, variable, name: str, initializer: Any = "zeros", replica_local: bool = False):
+        """Creates this optimizer's slot `name` for `variable` (in `build_state`) and returns it.
+
+        Args:
+          variable: a trainable variable of `build`'s `var_list`.
+          name: the slot's name (one per purpose: "average", "slow", ...).
+          initializer: a Keras initializer (or its name), or `"value"`: start from the
+            variable's current value.
+          replica_local: False (default): ONE replicated value, identical on every
+            replica (mirrored, written from the first replica, which holds the same
+            value as the others by contract): for state every replica computes alike
+            from aggregated values (averages, slow weights). True: each replica keeps
+            its own copy and updates it without communication (accumulators of
+            per-replica gradients); read outside the replica context, and so in
+            checkpoints and `.keras` files, it is the SUM of the copies, and a
+            restored value is split evenly among the replicas (TensorFlow's sync-on-read
+            SUM variable).
+
+        Returns:
+          The slot variable (also returned later by `slot(name, variable)`).
+
+        Raises:
+          ValueError: called before `build_state`, twice for the same slot, or for a
+            variable `build` did not receive.
+        """
+        state = getattr(self, "_dm_state", None)
+        if state is None:
+            raise ValueError(f"`add_slot` must be called from `build_state`. Received: name={name!r}")
+        key = _compat.variable_key(self, variable)
+        if key not in {_compat.variable_key(self, v) for v in self.trained_variables}:
+            raise ValueError(f"`add_slot`: {_stages.variable_name(variable)} is not a variable this optimizer "
+                             f"was built for. Received: name={name!r}")
+        table = state.slots.setdefault(name, {})
+        if key in table:
+            raise ValueError(f"Slot {name!r} already exists for {_stages.variable_name(variable)}.")
+        if replica_local:
+            if initializer != "zeros":
+                raise ValueError("A replica-local slot starts at zeros (each replica's share of a "
+                                 f"sum). Received: initializer={initializer!r}")
+            slot = _compat.add_replica_local_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}")
+        else:
+            slot = _compat.add_replicated_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}",
+                                                   initializer=initializer)
+        table[key] = slot
+        return slot
+
+    def slot(self, name: str, variable):
+        """This optimizer's slot `name` of `variable` (see `add_slot`).
+
+        Raises:
+          KeyError: no such slot (naming the slot and the variable).
+        """
+        try:
+            return self._dm_state.slots[name][_compat.variable_key(self, variable)]
+        except (KeyError, TypeError, AttributeError):
+            raise KeyError(f"{type(self).__name__} has no slot {name!r} for "
+                           f"{_stages.variable_name(variable)}") from None
+
+    def slots(self, name: str) -> list:
+        """Slot `name` of every variable this optimizer was built for, in order."""
+        return [self.slot(name, v) for v in self.trained_variables]
+
+    def save_own_variables(self, store):
+        """Saves this optimizer's own state (Keras saves each wrapped optimizer, and the
+        inner Keras optimizer, under its own path: every variable is written once)."""
+        for i, variable in enumerate(_compat.own_variables(self)):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        """Restores what `save_own_variables` wrote.
+
+        Raises:
+          ValueError: the file holds a different number of arrays for this optimizer.
+        """
+        own = _compat.own_variables(self)
+        if len(store.keys()) != len(own):
+            raise ValueError(
+                f"Cannot restore optimizer {self.name!r} ({type(self).__name__}): it has {len(own)} "
+                f"state variables and the file holds {len(store.keys())} (built for another model, "
+                "or saved with another optimizer stack).")
+        for i, variable in enumerate(own):
+            variable.assign(store[str(i)])
 
     # -- non-finite guard --------------------------------------------------------------
 
@@ -221,63 +418,7 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     def skip_nonfinite(self) -> bool:
         """Whether steps with non-finite final gradients are skipped (the guard)."""
 
-    @abc.abstractmethod
-    def _record_skip(self) -> None:
-        """Counts one skipped step (and lets wrappers react, e.g. lower the loss scale)."""
-
-    def _guarded_apply(self, grads_and_vars: list) -> None:
-        if not self.skip_nonfinite:
-            self.apply_updates(grads_and_vars)
-            return
-        self.apply_updates_if(all_finite([g for g, _ in grads_and_vars]), grads_and_vars)
-
-    def apply_updates_if(self, condition: tf.Tensor, grads_and_vars: list,
-                         on_skip: Callable[[], None] | None = None) -> None:
-        """Runs `apply_updates` when `condition` holds, else `on_skip` (default: count a skip).
-
-        `condition` must be identical on every replica (derive it from aggregated
-        gradients or from replicated counters). See `run_if`.
-        """
-        self.run_if(condition, self.apply_updates, args=(grads_and_vars,),
-                    otherwise=on_skip if on_skip is not None else self._record_skip)
-
-    @staticmethod
-    def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Callable | None = None) -> None:
-        """Runs `fn(*args)` on every replica when the agreed `condition` holds, else `otherwise()`.
-
-        `fn` may use collectives and variable updates. Under strategies that synchronise
-        through `merge_call` (every CPU strategy), tf.distribute does not allow a
-        `merge_call` inside a `tf.cond` taken per replica (what makes Keras's own
-        accumulation and EMA overwrite fail under MirroredStrategy). So the branch is
-        taken once, in the cross-replica context, on replica 0's `condition` (equal on
-        all, by contract), and `fn` then runs on every replica. `otherwise` runs once
-        there; elsewhere (no strategy, Horovod) both run in each process.
-
-        Pass every per-replica tensor `fn` needs through `args`: under merge-call
-        strategies `fn` runs from the cross-replica context, where a tensor it captured
-        from the calling replica is replica 0's on every replica. Variables may be
-        captured (each replica resolves its own copy).
-        """
-        otherwise = otherwise if otherwise is not None else (lambda: None)
-        ctx = tf.distribute.get_replica_context()
-        if (tf.distribute.has_strategy() and ctx is not None
-                and _compat.strategy_uses_merge_call()):
-            def cross_replica(strategy, condition, args):
-                agreed = strategy.experimental_local_results(condition)[0]
-
-                def run():
-                    strategy.extended.call_for_each_replica(fn, args=args)
-
-                tf.cond(agreed, run, otherwise)
-
-            ctx.merge_call(cross_replica, args=(condition, args))
-        elif tf.executing_eagerly():
-            if bool(condition):
-                fn(*args)
-            else:
-                otherwise()
-        else:
-            tf.cond(condition, lambda: fn(*args), otherwise)
+    run_if = staticmethod(distribute.run_if)
 
     # -- Keras optimizer surface -------------------------------------------------------
 
@@ -313,6 +454,26 @@ class StagedOptimizer(keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Not supported: dist_minimize optimizers are stateful (TensorFlow backend)."""
         raise ValueError("dist_minimize optimizers are stateful (TensorFlow backend only).")
+
+
+class _BuiltState:
+    """What `build` records: the trained variables and the slots (a plain object, so that
+    TensorFlow's tracking neither wraps nor checkpoints these containers; the slot
+    variables themselves are tracked by `add_variable`)."""
+
+    def __init__(self, trained: list):
+        self.trained = tuple(trained)
+        self.slots: dict = {}
+
+
+def _delegated_learning_rate():
+    """The learning rate given to Keras's base constructor (a callable, so that it creates
+    no variable): every dist_minimize optimizer reports its inner optimizer's."""
+    raise RuntimeError("A dist_minimize optimizer's learning rate is its inner optimizer's.")
+
+
+def _slot_prefix(variable) -> str:
+    return _stages.variable_name(variable).replace("/", "_").replace(":", "_")
 
 
 def all_finite(grads) -> tf.Tensor:
@@ -418,7 +579,7 @@ class Optimizer(StagedOptimizer):
         gradient_fns = _stages.as_callables(transform_gradients, "transform_gradients")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"`skip_nonfinite` must be a bool. Received: skip_nonfinite={skip_nonfinite!r}")
-        super().__init__(learning_rate=0.0, name=name)
+        super().__init__(learning_rate=_delegated_learning_rate, name=name)
         _compat.disable_keras_all_reduce(inner)
         self.inner_optimizer = inner
         self._loss_fns = tuple(loss_fns)
@@ -460,11 +621,8 @@ class Optimizer(StagedOptimizer):
         """Every transform and aggregator given to the constructor, in pipeline order."""
         return self._loss_fns + self._unaggregated_fns + self._aggregators + self._gradient_fns
 
-    @_compat.no_automatic_dependency_tracking
-    def build(self, var_list):
+    def build_state(self, var_list):
         """Creates the inner optimizer's slots, the transforms' state and the skip counter."""
-        if self.built:
-            return
         current = tf.distribute.get_strategy()
         captured = _compat.inner_strategy(self.inner_optimizer)
         if captured is not None and captured is not current:
@@ -480,7 +638,6 @@ class Optimizer(StagedOptimizer):
             if hasattr(fn, "build"):
                 fn.build(self, var_list)
         self.inner_optimizer.build(var_list)
-        super().build(var_list)
 
     @property
     def skip_nonfinite(self) -> bool:
@@ -491,7 +648,8 @@ class Optimizer(StagedOptimizer):
         """How many steps the non-finite guard skipped (a variable, after `build`)."""
         return self._skipped_steps
 
-    def _record_skip(self):
+    def on_skipped(self):
+        """Counts the skipped step in `skipped_steps`."""
         self._skipped_steps.assign_add(1)
 
     def gradient_stats(self) -> dict:
@@ -506,7 +664,7 @@ class Optimizer(StagedOptimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return _compat.own_variables(self) + self.inner_optimizer.variables
 
     @property
     def iterations(self):

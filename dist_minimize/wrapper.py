@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Sequence
+
 import keras
+import tensorflow as tf
 
 from dist_minimize import _compat
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize._stages import variable_name
+from dist_minimize.optimizer import StagedOptimizer, _delegated_learning_rate
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
 class OptimizerWrapper(StagedOptimizer):
     """Wraps a dist_minimize optimizer and delegates every stage to it.
 
-    Subclass it and override only the stages a feature needs; call `super()` to reach
-    the wrapped optimizer's stage. Everything else (state, iterations, learning rate,
-    the non-finite guard, statistics, checkpoints) goes to the wrapped optimizer, and the
-    wrapper's own variables (created in `build` with `self.add_variable`) are saved with
-    it.
+    Subclass it and override only what a feature needs (every hook is public; see
+    "Writing a wrapper" in the README):
+
+    * the six stages: call `super()` to reach the wrapped optimizer's stage;
+    * `build_state(var_list)`: create the wrapper's state with `self.add_variable` and
+      `self.add_slot` (one per trainable variable, replicated or replica-local);
+      `self.slot(name, variable)` finds it again;
+    * `run_update(grads_and_vars, top=..., aggregate=...)`: what runs per update rather
+      than per micro-step (gradient accumulation overrides it);
+    * `update_condition(grads_and_vars)`: the agreed condition for applying an update;
+    * `on_applied(grads_and_vars)` / `on_skipped()`: what follows an applied or a
+      skipped update (called on every optimizer of the stack; no need to chain);
+    * `once_per_stack = True` or `check_stack()`: which stacks are valid.
+
+    Everything else (iterations, learning rate, the non-finite guard's setting,
+    statistics) goes to the wrapped optimizer. State is checkpointed and saved with the
+    optimizer, each variable once. `dist_minimize.distribute` holds the collectives and
+    the agreed branch (`run_if`) a wrapper may need, and `swap_values` puts other values
+    (averages) into the model's variables and back.
 
     Stacking order: the outermost wrapper's stage runs first and calls inward, so
     `A(B(Optimizer(...)))` runs A's `transform_loss`, then B's, then the optimizer's; the
@@ -42,9 +61,26 @@ class OptimizerWrapper(StagedOptimizer):
                 "or an `OptimizerWrapper`); to wrap a Keras optimizer use "
                 f"`dist_minimize.Optimizer(keras_optimizer)`. Received: optimizer="
                 f"{optimizer!r} of type {type(optimizer).__name__}")
-        super().__init__(learning_rate=0.0, name=name)
+        super().__init__(learning_rate=_delegated_learning_rate, name=name)
         self.wrapped = optimizer
+        self.check_stack()
         self._dm_constructed = True
+
+    #: Whether a stack may hold at most one wrapper of this class (checked at construction).
+    once_per_stack: bool = False
+
+    def check_stack(self) -> None:
+        """Raises if this wrapper cannot sit on `self.wrapped`'s stack.
+
+        Called by the constructor. Default: with `once_per_stack`, refuses a stack that
+        already holds a wrapper of this class. Override to add rules (call `super()`).
+
+        Raises:
+          ValueError: an invalid stack, naming the wrapper.
+        """
+        if self.once_per_stack and self.wrapped.find(type(self)) is not None:
+            raise ValueError(f"The wrapped optimizer already holds a {type(self).__name__}; one "
+                             f"{type(self).__name__} per stack. Received: a nested {type(self).__name__}")
 
     # -- stages: delegate ----------------------------------------------------------------
 
@@ -74,41 +110,18 @@ class OptimizerWrapper(StagedOptimizer):
         """Delegates to the wrapped optimizer."""
         self.wrapped.apply_updates(grads_and_vars)
 
-    def _aggregate_and_apply(self, top, grads_and_vars, aggregate):
-        self.wrapped._aggregate_and_apply(top, grads_and_vars, aggregate)
-
-    def _refuse_nested(self, what: str) -> None:
-        """Raises if the wrapped chain already holds a wrapper of this one's type."""
-        if self._find(type(self)) is not None:
-            raise ValueError(f"The wrapped optimizer already {what}; one {type(self).__name__} per stack. "
-                             f"Received: a nested {type(self).__name__}")
-
-    def _find(self, kind: type):
-        """The first optimizer of type `kind` in this wrapper's chain (excluding self)."""
-        opt = self.wrapped
-        while True:
-            if isinstance(opt, kind):
-                return opt
-            if not isinstance(opt, OptimizerWrapper):
-                return None
-            opt = opt.wrapped
-
     # -- state: delegate -----------------------------------------------------------------
 
-    @_compat.no_automatic_dependency_tracking
-    def build(self, var_list):
-        """Builds the wrapped optimizer (and this wrapper's own state in subclasses)."""
-        if self.built:
-            return
+    def run_update(self, grads_and_vars, *, top, aggregate):
+        """Delegates to the wrapped optimizer (see `StagedOptimizer.run_update`)."""
+        self.wrapped.run_update(grads_and_vars, top=top, aggregate=aggregate)
+
+    def _build_wrapped(self, var_list):
         self.wrapped.build(var_list)
-        super().build(var_list)
 
     @property
     def skip_nonfinite(self) -> bool:
         return self.wrapped.skip_nonfinite
-
-    def _record_skip(self):
-        self.wrapped._record_skip()
 
     @property
     def skipped_steps(self):
@@ -120,7 +133,7 @@ class OptimizerWrapper(StagedOptimizer):
 
     @property
     def variables(self):
-        return self._variables + self.wrapped.variables
+        return _compat.own_variables(self) + self.wrapped.variables
 
     @property
     def iterations(self):
@@ -148,3 +161,35 @@ class OptimizerWrapper(StagedOptimizer):
         config["optimizer"] = keras.saving.deserialize_keras_object(
             config["optimizer"], custom_objects=custom_objects)
         return cls(**config)
+
+
+@contextlib.contextmanager
+def swap_values(variables: Sequence, values: Sequence):
+    """Puts `values` into `variables` for the `with` block, then restores what they held.
+
+    For evaluating or saving with averaged weights (a moving average, SWA): pass the
+    model's variables and the averages (e.g. a wrapper's `slots("average")`). Call it
+    outside the training step (in the cross-replica context under a strategy, where
+    assigning a mirrored variable sets every replica's copy). The previous values are
+    restored even if the block raises.
+
+    Raises:
+      ValueError: the lists differ in length, or a value's shape differs from its
+        variable's (naming it).
+    """
+    variables, values = list(variables), list(values)
+    if len(variables) != len(values):
+        raise ValueError(f"`variables` and `values` must have the same length. Received: "
+                         f"{len(variables)} variables and {len(values)} values")
+    for v, x in zip(variables, values):
+        if tuple(v.shape) != tuple(x.shape):
+            raise ValueError(f"`swap_values`: {variable_name(v)} has shape {tuple(v.shape)}, its value "
+                             f"{tuple(x.shape)}")
+    saved = [tf.identity(tf.convert_to_tensor(v)) for v in variables]
+    try:
+        for v, x in zip(variables, values):
+            v.assign(tf.cast(tf.convert_to_tensor(x), v.dtype))
+        yield
+    finally:
+        for v, x in zip(variables, saved):
+            v.assign(x)

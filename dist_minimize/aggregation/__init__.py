@@ -29,7 +29,7 @@ from typing import Callable
 import tensorflow as tf
 
 from dist_minimize.aggregation.base import Aggregator, IdentityAggregator
-from dist_minimize import _compat
+from dist_minimize import _compat, distribute
 from dist_minimize.aggregation.horovod import HorovodAggregator
 from dist_minimize.aggregation.nccl import NcclAggregator, is_gpu, nccl_plan
 from dist_minimize.aggregation.strategy import StrategyAggregator
@@ -77,12 +77,11 @@ class AutoAggregator(Aggregator):
             aggregates across them (see the module docstring).
         """
         strategy = tf.distribute.get_strategy()
-        n = strategy.num_replicas_in_sync if tf.distribute.has_strategy() else 1
+        n = distribute.strategy_replicas()
         devices = list(strategy.extended.worker_devices) if n > 1 else []
-        hvd = sys.modules.get("horovod.tensorflow")
-        horovod_size = _horovod_size(hvd) if hvd is not None else 1
+        horovod_size = distribute.horovod_size()
         if n == 1 and horovod_size == 1:
-            self._refuse_unaggregated_job(hvd)
+            self._refuse_unaggregated_job(sys.modules.get("horovod.tensorflow"))
         name, reason = auto_choice(n, devices, _compat.cross_device_ops_name(strategy) if n > 1 else "none",
                                    horovod_size, tf.test.is_built_with_cuda())
         if name not in self._chosen:
@@ -122,13 +121,6 @@ class AutoAggregator(Aggregator):
 
     def __call__(self, grads_and_vars):
         return self.select()(grads_and_vars)
-
-
-def _horovod_size(hvd) -> int:
-    try:
-        return hvd.size() if hvd.is_initialized() else 1
-    except (ValueError, AttributeError):
-        return 1
 
 
 def get(identifier: str | Aggregator | Callable | None) -> Callable:

@@ -3,13 +3,12 @@ built with NCCL. Asking for NCCL where it cannot run is an error, never a silent
 
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
+from dist_minimize import _compat, distribute
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars
 from dist_minimize.aggregation.strategy import StrategyAggregator
 
@@ -104,9 +103,7 @@ class NcclAggregator(Aggregator):
 
     @staticmethod
     def _horovod_active() -> bool:
-        hvd = sys.modules.get("horovod.tensorflow")
-        return (not (tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1)
-                and hvd is not None and hvd.is_initialized() and hvd.size() > 1)
+        return distribute.strategy_replicas() == 1 and distribute.horovod_size() > 1
 
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
@@ -118,8 +115,7 @@ class NcclAggregator(Aggregator):
         if self._horovod_active():
             from dist_minimize.aggregation.horovod import HorovodAggregator
 
-            hvd = sys.modules["horovod.tensorflow"]
-            check_horovod_nccl(hvd)
+            check_horovod_nccl(distribute.horovod())
             if self._horovod_agg is None:
                 self._horovod_agg = HorovodAggregator()
             return self._horovod_agg(grads_and_vars)

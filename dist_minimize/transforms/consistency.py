@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-
 import keras
 import tensorflow as tf
 
+from dist_minimize import distribute
 from dist_minimize.transforms.base import GradientTransform, check_positive_int
 
 
@@ -55,14 +54,12 @@ class ConsistencyCheck(GradientTransform):
     def __init__(self, every_n_steps: int = 100):
         self.every_n_steps = check_positive_int("every_n_steps", every_n_steps)
         self._step = None
-        self._optimizer = None
 
     def build(self, optimizer, variables):
         """Creates the step counter that schedules the checks."""
         if self._step is None:
             self._step = optimizer.add_variable(shape=(), dtype="int64", initializer="zeros",
                                                 aggregation="only_first_replica", name="consistency_step")
-            self._optimizer = optimizer
 
     def __call__(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
@@ -84,33 +81,22 @@ class ConsistencyCheck(GradientTransform):
             # replica gets its OWN gradients here (a captured tensor would be replica 0's
             # on every replica, and gradients that differ would pass).
             local = tf.stack([_fingerprint(x) for x in values])
-            total, n = _sum_across(local)
+            n = tf.constant(distribute.num_replicas(), tf.int64)
+            total = distribute.sum_across(local, name="dm_consistency_fingerprints")
             mismatch = tf.cast(tf.not_equal(total, local * n), tf.int64)
-            agreed, _ = _sum_across(mismatch)
+            agreed = distribute.sum_across(mismatch, name="dm_consistency_verdict")
             first = tf.argmax(tf.cast(agreed > 0, tf.int32))
             tf.debugging.Assert(
                 tf.reduce_all(agreed == 0),
                 [tf.strings.join([tf.strings.format("Replicas diverged at step {}: first differing: ", step),
                                   tf.gather(tf.constant(names), first)])])
 
-        self._optimizer.run_if(tf.equal(step % self.every_n_steps, 0), check, args=(values,))
+        distribute.run_if(tf.equal(step % self.every_n_steps, 0), check, args=(values,))
         return grads_and_vars
 
     def get_config(self) -> dict:
         """The transform's configuration."""
         return {"every_n_steps": self.every_n_steps}
-
-
-def _sum_across(x: tf.Tensor):
-    """(sum of `x` over every replica or process, their number) in the current context."""
-    if tf.distribute.has_strategy():
-        ctx = tf.distribute.get_replica_context()
-        if ctx is not None and ctx.num_replicas_in_sync > 1:
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, x), tf.constant(ctx.num_replicas_in_sync, tf.int64)
-    hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is not None and hvd.is_initialized() and hvd.size() > 1:
-        return hvd.allreduce(x, op=hvd.Sum, name="dm_consistency"), tf.constant(hvd.size(), tf.int64)
-    return x, tf.constant(1, tf.int64)
 
 
 def check_consistency(every_n_steps: int = 100) -> ConsistencyCheck:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
+from dist_minimize import distribute
 from dist_minimize.optimizer import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
@@ -27,7 +27,7 @@ class GradientAccumulation(OptimizerWrapper):
 
     The boundary decision comes from a replicated micro-step counter, so it is the same
     on every replica and worker; under tf.distribute it is taken in the cross-replica
-    context (see `StagedOptimizer.run_if`), so it works in `model.fit` and in
+    context (see `dist_minimize.distribute.run_if`), so it works in `model.fit` and in
     `tf.function` under MirroredStrategy, where Keras's own
     `gradient_accumulation_steps` fails.
 
@@ -53,29 +53,27 @@ class GradientAccumulation(OptimizerWrapper):
     def __init__(self, optimizer: StagedOptimizer, steps: int, name: str | None = None):
         steps = check_positive_int("steps", steps)
         super().__init__(optimizer, name=name)
-        self._refuse_nested("accumulates gradients")
         self.steps = steps
         self._micro_step = None
-        self._accumulators = []
 
-    @_compat.no_automatic_dependency_tracking
-    def build(self, var_list):
-        """Creates the micro-step counter and one per-replica accumulator per variable."""
-        if self.built:
-            return
+    once_per_stack = True
+
+    def build_state(self, var_list):
+        """Creates the micro-step counter and one replica-local accumulator per variable."""
         self._micro_step = self.add_variable(shape=(), dtype="int64", initializer="zeros",
                                              aggregation="only_first_replica", name="micro_step")
-        self._accumulators = [
-            _compat.add_replica_local_variable(self, v, name=f"accumulated_{i}") for i, v in enumerate(var_list)]
-        super().build(var_list)
+        for v in var_list:
+            self.add_slot(v, "accumulated", replica_local=True)
 
     @property
     def micro_step(self):
         """Micro-steps taken so far (a variable, after `build`)."""
         return self._micro_step
 
-    def _aggregate_and_apply(self, top, grads_and_vars, aggregate):
-        accumulators = [self._accumulators[self._get_variable_index(v)] for _, v in grads_and_vars]
+    def run_update(self, grads_and_vars, *, top, aggregate):
+        """Adds this micro-step's gradients to the accumulators; every `steps`-th
+        micro-step, runs the wrapped update once on their mean."""
+        accumulators = [self.slot("accumulated", v) for _, v in grads_and_vars]
         present = [g is not None for g, _ in grads_and_vars]
         for (g, _), acc in zip(grads_and_vars, accumulators):
             if g is not None:
@@ -87,11 +85,11 @@ class GradientAccumulation(OptimizerWrapper):
         def update():
             mean = [(tf.convert_to_tensor(acc) / self.steps if p else None, v)
                     for acc, p, v in zip(accumulators, present, variables)]
-            self.wrapped._aggregate_and_apply(top, mean, aggregate)
+            self.wrapped.run_update(mean, top=top, aggregate=aggregate)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
 
-        self.run_if(tf.equal(micro % self.steps, 0), update)
+        distribute.run_if(tf.equal(micro % self.steps, 0), update)
 
     def get_config(self):
         """The wrapped optimizer and `steps`."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
 from dist_minimize.optimizer import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
 from dist_minimize.wrapper import OptimizerWrapper
@@ -63,7 +62,6 @@ class LossScaleOptimizer(OptimizerWrapper):
         if not isinstance(dynamic, bool):
             raise TypeError(f"`dynamic` must be a bool. Received: dynamic={dynamic!r}")
         super().__init__(optimizer, name=name)
-        self._refuse_nested("scales the loss")
         self.initial_scale = initial_scale
         self.dynamic = dynamic
         self.growth_interval = growth_interval
@@ -71,17 +69,15 @@ class LossScaleOptimizer(OptimizerWrapper):
         self._loss_scale = None
         self._good_steps = None
 
-    @_compat.no_automatic_dependency_tracking
-    def build(self, var_list):
-        """Creates `loss_scale` and `good_steps`, then builds the wrapped optimizer."""
-        if self.built:
-            return
+    once_per_stack = True
+
+    def build_state(self, var_list):
+        """Creates `loss_scale` and `good_steps`."""
         self._loss_scale = self.add_variable(
             shape=(), dtype="float32", initializer=keras.initializers.Constant(self.initial_scale),
             aggregation="only_first_replica", name="loss_scale")
         self._good_steps = self.add_variable(
             shape=(), dtype="int64", initializer="zeros", aggregation="only_first_replica", name="good_steps")
-        super().build(var_list)
 
     @property
     def loss_scale(self):
@@ -105,9 +101,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         unscaled = [(map_gradient(g, unscale) if g is not None else None, v) for g, v in grads_and_vars]
         return self.wrapped.transform_gradients(unscaled)
 
-    def apply_updates(self, grads_and_vars):
-        """Applies the update; in dynamic mode counts a good step and grows the scale every `growth_interval`."""
-        self.wrapped.apply_updates(grads_and_vars)
+    def on_applied(self, grads_and_vars):
+        """In dynamic mode: counts a good step, and grows the scale every `growth_interval`."""
         if self.dynamic:
             good = self._good_steps + 1
             grow = good >= self.growth_interval
@@ -120,8 +115,8 @@ class LossScaleOptimizer(OptimizerWrapper):
     def skip_nonfinite(self) -> bool:
         return True  # loss scaling relies on skipping overflowed steps
 
-    def _record_skip(self):
-        self.wrapped._record_skip()
+    def on_skipped(self):
+        """In dynamic mode: divides the scale by `growth_factor` (the skip is counted by `Optimizer`)."""
         if self.dynamic:
             self._loss_scale.assign(self._loss_scale / self.growth_factor)
             self._good_steps.assign(tf.zeros_like(self._good_steps))

@@ -236,3 +236,42 @@ def test_consistency_check_catches_gradients_that_differ_at_that_step(use_functi
         step()
     for copy in local_values(w):  # stopped before any update
         np.testing.assert_array_equal(copy, [1.0, 2.0])
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_distribute_helpers_across_two_replicas(use_function):
+    s = strategy()
+
+    def replica_fn():
+        rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        total = dm.distribute.sum_across(rid + 1.0)
+        mean, doubled = dm.distribute.mean_across([rid + 1.0, 2.0 * (rid + 1.0)])
+        return total, mean, doubled, dm.distribute.num_replicas()
+
+    run = (lambda: s.run(replica_fn))
+    run = tf.function(run) if use_function else run
+    total, mean, doubled, n = run()
+    assert [float(t) for t in s.experimental_local_results(total)] == [3.0, 3.0]
+    assert [float(t) for t in s.experimental_local_results(mean)] == [1.5, 1.5]
+    assert [float(t) for t in s.experimental_local_results(doubled)] == [3.0, 3.0]
+    assert n == 2
+
+
+def test_run_if_check_refuses_a_condition_that_differs_across_replicas():
+    s = strategy()
+    with s.scope():
+        v = tf.Variable(0.0)
+
+    @tf.function
+    def step(same):
+        def replica_fn():
+            rid = tf.distribute.get_replica_context().replica_id_in_sync_group
+            cond = tf.logical_or(same, tf.equal(rid, 0))
+            dm.distribute.run_if(cond, lambda: v.assign_add(1.0), check=True)
+        s.run(replica_fn)
+
+    step(tf.constant(True))
+    assert float(v.numpy()) == 1.0
+    with pytest.raises(tf.errors.InvalidArgumentError, match="condition differs across replicas"):
+        step(tf.constant(False))
+    assert float(v.numpy()) == 1.0

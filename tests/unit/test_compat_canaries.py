@@ -60,3 +60,45 @@ def test_coordination_client_has_barrier_and_key_value_store():
     client = _compat.coordination_client()
     for name in ("wait_at_barrier", "set_config_key_value", "get_config_key_value"):
         assert callable(getattr(client, name))
+
+
+def test_keras_base_constructor_state_is_what_untracked_base_state_drops():
+    """Keras's base constructor creates exactly one variable, `iteration`, held in
+    `_iterations` and registered through `_track_variable` (the learning rate is a
+    callable here, so it makes none); UntrackedBaseState keeps it out of the optimizer."""
+    plain = keras.optimizers.SGD(learning_rate=lambda: 0.1)
+    assert [v.name for v in plain.variables] == ["iteration"]
+    assert plain._iterations is plain.variables[0]
+
+    class Probe(_compat.UntrackedBaseState, keras.optimizers.SGD):
+        pass
+
+    probe = Probe(learning_rate=lambda: 0.1)
+    assert probe.variables == [] and probe._iterations is None
+    assert "_iterations" not in {name for name, _ in probe._trackable_children().items()}
+    probe.build([keras.Variable([1.0])])
+    assert probe.variables == []  # SGD without momentum: no slots
+    extra = probe.add_variable(shape=(), name="extra")
+    assert probe.variables == [extra]
+
+
+def test_own_variables_is_keras_variables_list():
+    opt = keras.optimizers.Adam(0.1)
+    opt.build([keras.Variable([1.0])])
+    assert _compat.own_variables(opt) == opt.variables
+    assert _compat.own_variables(opt) is not opt._variables  # a copy
+
+
+def test_variable_key_identifies_a_variable_in_and_out_of_replica_context():
+    opt = keras.optimizers.SGD(0.1)
+    a, b = keras.Variable([1.0]), keras.Variable([2.0])
+    assert _compat.variable_key(opt, a) == _compat.variable_key(opt, a.value)
+    assert _compat.variable_key(opt, a) != _compat.variable_key(opt, b)
+
+
+def test_replicated_variable_starts_from_value_and_is_tracked():
+    opt = keras.optimizers.SGD(0.1)
+    ref = keras.Variable([1.0, 2.0])
+    v = _compat.add_replicated_variable(opt, ref, "copy", initializer="value")
+    assert v.numpy().tolist() == [1.0, 2.0]
+    assert any(x is v for x in opt.variables)

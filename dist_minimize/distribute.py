@@ -1,0 +1,174 @@
+"""The distribution mechanics, in one place: counts, sums, Horovod detection, agreed branches.
+
+Every part of dist_minimize that needs to know how many replicas take part, to reduce a
+value across them, or to branch on a condition all of them must take alike, uses these
+functions; wrapper authors should too. They work in the three contexts a training step
+runs in:
+
+* a tf.distribute strategy of several replicas (MirroredStrategy,
+  MultiWorkerMirroredStrategy), in the replica context (`strategy.run`, `model.fit`);
+* a Horovod job (`horovodrun`, `mpirun`): one replica per process, Horovod initialised;
+* neither: one replica.
+
+(Horovod inside a multi-replica strategy is not a supported combination: the strategy
+wins.)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable
+
+import tensorflow as tf
+
+from dist_minimize import _compat
+
+
+def horovod() -> Any | None:
+    """`horovod.tensorflow` when it is imported AND initialised in this process, else None.
+
+    Never imports Horovod itself (importing it has side effects and costs seconds).
+    """
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None:
+        return None
+    try:
+        return hvd if hvd.is_initialized() else None
+    except (ValueError, AttributeError):
+        return None
+
+
+def horovod_size() -> int:
+    """The number of Horovod processes (1 when Horovod is not initialised)."""
+    hvd = horovod()
+    return hvd.size() if hvd is not None else 1
+
+
+def strategy_replicas() -> int:
+    """Replicas in sync of the current tf.distribute strategy (1 without one)."""
+    if not tf.distribute.has_strategy():
+        return 1
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def num_replicas() -> int:
+    """How many replicas a step's gradients are aggregated over, in this context.
+
+    The strategy's replicas in sync when it has several, else Horovod's process count,
+    else 1.
+    """
+    n = strategy_replicas()
+    return n if n > 1 else horovod_size()
+
+
+def _replica_context_or_raise(what: str):
+    if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
+        raise RuntimeError(
+            f"`{what}` must run in a replica context (inside `strategy.run` or `model.fit`), "
+            "not in the cross-replica context.")
+    return tf.distribute.get_replica_context()
+
+
+def sum_across(value, name: str = "dm_sum_across"):
+    """The sum of `value` (a tensor, or a list of tensors) over every replica or process.
+
+    In the replica context of a multi-replica strategy: one `ReplicaContext.all_reduce`;
+    in a Horovod job of several processes: one (grouped) Horovod allreduce named `name`;
+    otherwise `value` itself. Integer sums are exact.
+
+    Raises:
+      RuntimeError: called in a strategy's cross-replica context.
+    """
+    return _reduce(value, "sum", name)
+
+
+def mean_across(value, name: str = "dm_mean_across"):
+    """The mean of `value` over every replica or process (see `sum_across`)."""
+    return _reduce(value, "mean", name)
+
+
+def _reduce(value, op: str, name: str):
+    many = isinstance(value, (list, tuple))
+    values = [tf.convert_to_tensor(v) for v in (value if many else [value])]
+    ctx = _replica_context_or_raise(f"{op}_across")
+    if tf.distribute.has_strategy() and ctx is not None and ctx.num_replicas_in_sync > 1:
+        reduce_op = tf.distribute.ReduceOp.SUM if op == "sum" else tf.distribute.ReduceOp.MEAN
+        out = ctx.all_reduce(reduce_op, values)
+    else:
+        hvd = horovod()
+        if hvd is not None and hvd.size() > 1:
+            hvd_op = hvd.Sum if op == "sum" else hvd.Average
+            if all(v.dtype.is_integer for v in values) and op == "mean":
+                raise TypeError(f"`mean_across` needs floating-point values. Received dtypes "
+                                f"{[v.dtype.name for v in values]}")
+            out = hvd.grouped_allreduce(values, op=hvd_op, name=name)
+        else:
+            out = values
+    out = list(out)
+    return out if many else out[0]
+
+
+def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation | None:
+    """An assertion that the scalar bool `condition` is the same on every replica or process.
+
+    Costs one small integer all-reduce. Returns the assertion op in graph mode (None
+    eagerly, where it raises at once). The failure is `tf.errors.InvalidArgumentError`
+    naming `what`. (Under XLA, TensorFlow drops assertions; see the README.)
+    """
+    n = num_replicas()
+    if n == 1:
+        return None
+    votes = sum_across(tf.cast(condition, tf.int32), name="dm_check_agreed")
+    return tf.debugging.Assert(
+        tf.logical_or(tf.equal(votes, 0), tf.equal(votes, n)),
+        [f"The {what} differs across replicas (it must be identical on every replica "
+         "and process); replicas where it holds:", votes, "of", n])
+
+
+def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Callable | None = None,
+           check: bool = False) -> None:
+    """Runs `fn(*args)` on every replica when the agreed `condition` holds, else `otherwise()`.
+
+    `condition` must be identical on every replica and process: derive it from
+    aggregated gradients, from replicated counters, or from `sum_across`. With
+    `check=True` that is verified first (`check_agreed`, one small all-reduce).
+
+    `fn` may use collectives and variable updates. Under strategies that synchronise
+    through `merge_call` (every CPU strategy), tf.distribute does not allow a
+    `merge_call` inside a `tf.cond` taken per replica (what makes Keras's own
+    accumulation and EMA overwrite fail under MirroredStrategy). So the branch is taken
+    once, in the cross-replica context, on replica 0's `condition` (equal on all, by
+    contract), and `fn` then runs on every replica. `otherwise` runs once there;
+    elsewhere (no strategy, Horovod) both run in each process.
+
+    Pass every per-replica tensor `fn` needs through `args`: under merge-call
+    strategies `fn` runs from the cross-replica context, where a tensor it captured
+    from the calling replica is replica 0's on every replica. Variables may be captured
+    (each replica resolves its own copy). `otherwise` takes no arguments and should
+    only update replicated variables.
+    """
+    otherwise = otherwise if otherwise is not None else (lambda: None)
+    if check:
+        assertion = check_agreed(condition)
+        if assertion is not None:
+            with tf.control_dependencies([assertion]):
+                condition = tf.identity(condition)
+    ctx = tf.distribute.get_replica_context()
+    if (tf.distribute.has_strategy() and ctx is not None
+            and _compat.strategy_uses_merge_call()):
+        def cross_replica(strategy, condition, args):
+            agreed = strategy.experimental_local_results(condition)[0]
+
+            def run():
+                strategy.extended.call_for_each_replica(fn, args=args)
+
+            tf.cond(agreed, run, otherwise)
+
+        ctx.merge_call(cross_replica, args=(condition, args))
+    elif tf.executing_eagerly():
+        if bool(condition):
+            fn(*args)
+        else:
+            otherwise()
+    else:
+        tf.cond(condition, lambda: fn(*args), otherwise)
