@@ -14,6 +14,7 @@ Public API:
 
 from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher
 from dist_minimize._compat import MissingDependencyError
+from dist_minimize.fit import integrate
 from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite
 from dist_minimize.transforms import (
     ClipByGlobalNorm,
@@ -52,6 +53,7 @@ __all__ = [
     "cluster",
     "distribute",
     "horovod_keras",
+    "integrate",
     "launcher",
     "limit_nonfinite_steps",
     "swap_values",

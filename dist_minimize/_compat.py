@@ -159,6 +159,76 @@ class UntrackedBaseState:
             super()._track_variable(variable)
 
 
+def in_xla_context() -> bool:
+    """Whether the code being traced will be compiled by XLA (`tf.function(jit_compile=True)`,
+    which is what Keras's `jit_compile=True` uses). TensorFlow's `control_flow_util`."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+
+    if tf.executing_eagerly():
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+
+
+# -- Keras's train step, for dist_minimize.fit ------------------------------------------
+
+
+def call_training(model: keras.Model, x: Any) -> Any:
+    """The forward pass as Keras's train step makes it (`training=True` where `call` takes it)."""
+    if model._call_has_training_arg:
+        return model(x, training=True)
+    return model(x)
+
+
+def compute_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight: Any) -> tf.Tensor:
+    """The compiled loss as Keras's train step computes it (`Trainer._compute_loss`: it
+    calls a user's `compute_loss` override with or without `training`)."""
+    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
+
+
+def track_loss(model: keras.Model, loss: tf.Tensor, x: Any) -> None:
+    """Updates the model's "loss" metric as Keras's train step does (`_loss_tracker`, with
+    the loss unscaled from its per-replica share)."""
+    from keras.src import losses as loss_module
+
+    first = next(i for i in tf.nest.flatten(x) if i is not None)
+    model._loss_tracker.update_state(loss_module.loss.unscale_loss_for_distribution(loss),
+                                     sample_weight=tf.shape(first)[0])
+
+
+def build_from_local_batch(model: keras.Model) -> None:
+    """Under MultiWorkerMirroredStrategy, builds `model` from this worker's part of the
+    first batch.
+
+    Keras's TensorFlow `_maybe_symbolic_build` reduces the first distributed batch with
+    `strategy.reduce("MEAN", ...)` only to learn its shapes, which
+    MultiWorkerMirroredStrategy rejects. This instance's method takes the first local
+    value instead (same shapes), then calls Keras's `_symbolic_build`.
+    """
+    if not hasattr(model, "_maybe_symbolic_build") or not hasattr(model, "_symbolic_build"):
+        raise RuntimeError(
+            f"This Keras version ({keras.__version__}) has no `_maybe_symbolic_build`/`_symbolic_build` "
+            "on its TensorFlow trainer; dist_minimize.integrate cannot make fit work under "
+            "MultiWorkerMirroredStrategy with it. Supported: the Keras 3 that TensorFlow 2.16-2.21 install.")
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return model.distribute_strategy.experimental_local_results(value)[0]
+        return value
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        if iterator is not None:
+            for _, _, it in iterator:
+                data_batch = tf.nest.map_structure(local, next(it))
+                break
+        with self.distribute_strategy.scope():
+            self._symbolic_build(data_batch=data_batch)
+
+    import types
+
+    model._maybe_symbolic_build = types.MethodType(maybe_symbolic_build, model)
+
+
 def cross_device_ops_name(strategy: tf.distribute.Strategy) -> str:
     """The class name of the all-reduce a tf.distribute strategy was built with."""
     ops = getattr(strategy.extended, "_cross_device_ops", None)

@@ -108,6 +108,29 @@ def _reduce(value, op: str, name: str):
     return out if many else out[0]
 
 
+XLA_FIX = ("Compile without XLA: `model.compile(..., jit_compile=False)` (Keras turns XLA on by "
+           "default on a machine with a GPU when no tf.distribute strategy is active, which is "
+           "the Horovod case), or `tf.function(..., jit_compile=False)` for a custom loop; "
+           "`dist_minimize.integrate(model)` does it for a model, with a logged reason.")
+
+
+def in_xla() -> bool:
+    """Whether the step being traced will be compiled by XLA."""
+    return _compat.in_xla_context()
+
+
+def refuse_xla(what: str, why: str) -> None:
+    """Raises `RuntimeError` naming `what`, `why` and the fix if the step is XLA-compiled.
+
+    For parts of a step that would fail or silently do nothing under XLA.
+    """
+    if _compat.in_xla_context():
+        raise RuntimeError(f"{what} cannot run in an XLA-compiled step: {why}. {XLA_FIX}")
+
+
+ASSERT_DROPPED = "TensorFlow drops `tf.debugging.Assert` from XLA-compiled functions, so it would never fail"
+
+
 def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation | None:
     """An assertion that the scalar bool `condition` is the same on every replica or process.
 
@@ -118,6 +141,7 @@ def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation 
     n = num_replicas()
     if n == 1:
         return None
+    refuse_xla("run_if(..., check=True)", ASSERT_DROPPED)
     votes = sum_across(tf.cast(condition, tf.int32), name="dm_check_agreed")
     return tf.debugging.Assert(
         tf.logical_or(tf.equal(votes, 0), tf.equal(votes, n)),

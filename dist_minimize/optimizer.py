@@ -122,6 +122,9 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
           ValueError: a tensor `loss` without `tape`.
         """
         variables = list(variables)
+        if not self.built:  # the stages may use the optimizer's state from the first one on
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
         if callable(loss):
             tape = tape if tape is not None else tf.GradientTape()
             with tape:

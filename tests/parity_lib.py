@@ -34,7 +34,8 @@ HOROVOD_MPI_CASES = (["sgd/fit", "sgd/callable", "adam/fit", "adam/callable"]
 HOROVOD_CASES = HOROVOD_MPI_CASES + ["sgd/callable_eager", "adam/callable_eager"]
 # "OPT/MODE/CLIP" cases run under MirroredStrategy (2 and 4 replicas).
 MIRRORED_CASES = ([f"{o}/{m}/always" for o in ("sgd", "adam") for m in ("fit", "callable", "tape")]
-                  + [f"sgd-0.01/{m}/{c}" for c in ("never", "some") for m in ("fit", "callable", "tape")])
+                  + [f"sgd-0.01/{m}/{c}" for c in ("never", "some") for m in ("fit", "callable", "tape")]
+                  + ["adam/fit_integrated/always", "sgd-0.01/fit_integrated/never", "sgd-0.01/fit_integrated/some"])
 
 
 def make_data(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seed: int = 0):
@@ -147,7 +148,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
           aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
-    mode: "fit" (model.compile + model.fit), "callable" (custom loop with
+    mode: "fit" (model.compile + model.fit), "fit_integrated" (the same after
+    `dm.integrate(model)`: every stage under fit), "callable" (custom loop with
     `minimize(loss_fn, vars)`), or "tape" (custom loop with a tensor loss and its tape).
     clip: a clip mode of CLIPS ("always", "never", "some"), True ("always") or False
       (no clipper); with use_dm=False, stock Keras `global_clipnorm` at that norm.
@@ -166,9 +168,11 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
         opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated)
     if dataset is None:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-    if mode == "fit":
+    if mode in ("fit", "fit_integrated"):
         with strategy.scope():
             model.compile(loss="mse", optimizer=opt, run_eagerly=eager)
+        if mode == "fit_integrated":
+            dm.integrate(model)
         model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps,
                   callbacks=list(callbacks))
         return weights(model), opt, model

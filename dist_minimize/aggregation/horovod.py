@@ -8,7 +8,7 @@ from typing import Any, Literal
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
+from dist_minimize import _compat, distribute
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
 _REDUCTIONS = ("mean", "sum", "adasum")
@@ -138,6 +138,9 @@ class HorovodAggregator(Aggregator):
         positions, grads = split_nones(grads_and_vars)
         if size == 1 or not grads:
             return grads_and_vars
+        distribute.refuse_xla(
+            "The Horovod backend", "Horovod 0.28.1's collectives have no XLA kernels here (the step "
+            "fails with InvalidArgumentError at HorovodGroupedAllreduce)")
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
         if self.reduction == "adasum":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from dist_minimize import distribute
 from dist_minimize.transforms.base import GradientTransform, check_positive_int
 
 
@@ -52,6 +53,7 @@ class LimitNonFiniteSteps(GradientTransform):
         grads_and_vars = list(grads_and_vars)
         if self._count is None:
             return grads_and_vars
+        distribute.refuse_xla("limit_nonfinite_steps", distribute.ASSERT_DROPPED)
         finite = all_finite([g for g, _ in grads_and_vars])
         count = tf.where(finite, tf.zeros([], tf.int64), tf.convert_to_tensor(self._count) + 1)
         check = tf.debugging.assert_less_equal(

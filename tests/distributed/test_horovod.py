@@ -98,6 +98,20 @@ def test_parity_with_stock_keras_on_one_device(tmp_root, clip):
             assert P.max_abs_diff(ref, arrays(r[f"sgd-0.01/{mode}/{clip}"]["weights"])) <= 1e-6
 
 
+def test_xla_fit_is_refused_with_the_fix_and_integrate_turns_it_off(tmp_root):
+    """Defect: Keras's jit_compile (True by default on GPU machines without a strategy)
+    made fit under horovodrun fail with InvalidArgumentError at HorovodGroupedAllreduce."""
+    ref = reference("sgd-0.01", "fit", "some")
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        error = r["xla_plain"]["error"]
+        assert error is not None and "The Horovod backend cannot run in an XLA-compiled step" in error
+        assert "jit_compile=False" in error and "dist_minimize.integrate(model)" in error
+        integrated = r["xla_integrated"]
+        assert integrated["jit_compile"] is False and integrated["iterations"] == P.STEPS
+        assert integrated["clipped_steps"] == P.CLIPPED_STEPS["some"]
+        assert P.max_abs_diff(ref, arrays(integrated["weights"])) <= 1e-6
+
+
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_eager_custom_loop_parity(tmp_root, opt_name):
     ranks = job("horovod-gloo", 2, "parity", tmp_root)

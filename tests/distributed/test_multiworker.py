@@ -13,7 +13,9 @@ from dist_minimize import launcher
 pytestmark = pytest.mark.distributed
 
 PARITY = ["sgd/callable", "adam/callable", "sgd/tape", "adam/tape",
-          "sgd-0.01/callable/never", "sgd-0.01/tape/never", "sgd-0.01/callable/some", "sgd-0.01/tape/some"]
+          "sgd-0.01/callable/never", "sgd-0.01/tape/never", "sgd-0.01/callable/some", "sgd-0.01/tape/some",
+          # model.fit through dm.integrate (stock Keras fit fails under MWMS: see the anchor)
+          "adam/fit_integrated/always", "sgd-0.01/fit_integrated/never", "sgd-0.01/fit_integrated/some"]
 CASES = PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
 TIMEOUT = proc.JOB_TIMEOUT
 
@@ -55,12 +57,13 @@ def test_multiworker_matches_single_device(worker_results, case):
         assert P.max_abs_diff(ref, got) <= 1e-6
 
 
+@pytest.mark.parametrize("mode", ["tape", "fit_integrated"])
 @pytest.mark.parametrize("clip", ["never", "some"])
-def test_multiworker_matches_stock_keras_on_one_device(worker_results, clip):
+def test_multiworker_matches_stock_keras_on_one_device(worker_results, clip, mode):
     """Independent reference: stock Keras SGD (its own global_clipnorm) on one device."""
     ref, _, _ = P.train(tf.distribute.get_strategy(), "sgd-0.01", "fit", clip=clip, use_dm=False)
     for worker in worker_results:
-        got = [np.array(w, dtype=np.float32) for w in worker[f"sgd-0.01/tape/{clip}"]["weights"]]
+        got = [np.array(w, dtype=np.float32) for w in worker[f"sgd-0.01/{mode}/{clip}"]["weights"]]
         assert P.max_abs_diff(ref, got) <= 1e-6
 
 
@@ -77,8 +80,9 @@ def test_keras_fit_fails_in_its_trainer_under_multiworker(worker_results):
 
     `Trainer._maybe_symbolic_build` reduces the first PerReplica input batch with
     `strategy.reduce`, which MultiWorkerMirroredStrategy rejects, before any optimizer
-    code runs; this fails with a stock Keras optimizer. If this starts passing, Keras
-    fixed it: enable `fit` parity tests under MWMS and update the README.
+    code runs; this fails with a stock Keras optimizer (`dm.integrate(model)` makes fit
+    work: the fit_integrated cases). If this starts passing, Keras fixed it: add plain
+    `fit` parity cases under MWMS and update the README.
     """
     anchor = worker_results[0]["sgd/fit_anchor"]
     assert anchor["error"] is not None and "PerReplica" in anchor["error"]

@@ -48,8 +48,9 @@ def test_keras_file_stores_each_optimizer_variable_once(tmp_path):
     paths = [v.path for v in opt.variables]
     assert len(paths) == len(set(id(v) for v in opt.variables))
     # Only the inner Keras optimizer has an iteration counter and a learning rate.
-    assert [p for p in paths if p.endswith("iteration")] == ["adam/iteration"]
-    assert [p for p in paths if p.endswith("learning_rate")] == ["adam/learning_rate"]
+    adam = opt.stack()[-1].inner_optimizer
+    assert [p for p in paths if p.endswith("iteration")] == [adam.iterations.path]
+    assert [p for p in paths if p.endswith("learning_rate")] == [adam.learning_rate.path]
     # 2 (loss scale) + 1 + 4 (accumulation) + 2 (guard, clipper) + 2 + 8 (Adam)
     assert len(paths) == 19
 
