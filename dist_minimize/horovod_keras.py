@@ -141,3 +141,41 @@ class MetricAverageCallback(keras.callbacks.Callback):
         averaged = hvd.allreduce(values, op=hvd.Average, name="dm_metric_average").numpy()
         for k, v in zip(keys, averaged):
             logs[k] = float(v)
+
+
+class ShareAccumulatorsCallback(keras.callbacks.Callback):
+    """Makes rank 0's checkpoint of a `GradientAccumulation` exact for every rank.
+
+    Each Horovod process accumulates its own micro-batch gradients; a checkpoint written
+    by rank 0 alone would hold rank 0's partial sums only, and a run resumed from it
+    mid-window would not be exact. At the end of each epoch (and every
+    `every_n_batches` batches, to match a `ModelCheckpoint(save_freq=N)`), this calls
+    `GradientAccumulation.share_accumulators()` on every rank. Put it BEFORE the
+    checkpoint callback in `callbacks=[...]`, on every rank (it is a collective).
+
+    Args:
+      every_n_batches: also share every N batches (None: at epoch ends only).
+    """
+
+    def __init__(self, every_n_batches: int | None = None):
+        super().__init__()
+        if every_n_batches is not None and (isinstance(every_n_batches, bool) or not isinstance(every_n_batches, int)
+                                            or every_n_batches < 1):
+            raise ValueError(f"`every_n_batches` must be None or an integer >= 1. "
+                             f"Received: every_n_batches={every_n_batches!r}")
+        self.every_n_batches = every_n_batches
+
+    def _share(self):
+        from dist_minimize.wrappers.accumulation import GradientAccumulation
+
+        opt = getattr(self.model, "optimizer", None)
+        accumulation = opt.find(GradientAccumulation) if hasattr(opt, "find") else None
+        if accumulation is not None:
+            accumulation.share_accumulators()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
+            self._share()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._share()

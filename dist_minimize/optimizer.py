@@ -195,9 +195,10 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 raise RuntimeError(
                     f"{type(opt).__name__} overrides `get_gradients`, but Keras's `model.fit` never "
                     "calls it: it computes the gradients with its own tape and calls "
-                    "`apply_gradients`, so the override would be skipped without a word. Train with a "
-                    "custom loop that calls `optimizer.minimize(loss, variables, tape=tape)` (it runs "
-                    "every stage), or move the change into `transform_unaggregated_gradients`.")
+                    "`apply_gradients`, so the override would be skipped without a word. Call "
+                    "`dist_minimize.integrate(model)` after `model.compile` (fit then runs every "
+                    "stage), train with a custom loop that calls `optimizer.minimize(loss, variables, "
+                    "tape=tape)`, or move the change into `transform_unaggregated_gradients`.")
             opt = getattr(opt, "wrapped", None)
         return self.transform_loss(loss)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import distribute
+from dist_minimize import _compat, distribute
 from dist_minimize.optimizer import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
@@ -32,10 +32,18 @@ class GradientAccumulation(OptimizerWrapper):
     `gradient_accumulation_steps` fails.
 
     Accumulated gradients are dense (an `IndexedSlices` gradient is densified when
-    accumulated). The accumulators and the micro-step counter are optimizer state:
-    checkpointed and restored, so a run resumed mid-accumulation continues exactly (a
+    accumulated). A variable with a `None` gradient at the update's micro-step still gets
+    the mean of what it accumulated in the window, provided some step has ever given it
+    a gradient (a variable that never had one stays out of the update, as with Keras).
+
+    The accumulators and the micro-step counter are optimizer state: checkpointed and
+    restored, so a run resumed mid-accumulation continues exactly. Under tf.distribute a
     checkpoint holds the SUM of the replicas' accumulators; restored, each replica holds
-    an equal share, and only the sum is ever used).
+    an equal share, and only the sum is ever used. Under Horovod each process keeps its
+    own accumulators, and a checkpoint is usually written by rank 0 alone: call
+    `share_accumulators()` on every process first (or put
+    `dist_minimize.horovod_keras.ShareAccumulatorsCallback()` before the checkpoint
+    callback), so that rank 0's file holds what every process needs.
 
     Stacking: it may sit anywhere in a stack (its place only decides which wrappers'
     stages run per micro-step: `transform_loss` and `transform_unaggregated_gradients`
@@ -64,6 +72,24 @@ class GradientAccumulation(OptimizerWrapper):
                                              aggregation="only_first_replica", name="micro_step")
         for v in var_list:
             self.add_slot(v, "accumulated", replica_local=True)
+        self._seen = _Seen()
+
+    def share_accumulators(self) -> None:
+        """Under Horovod: every process's accumulators become the mean over the processes.
+
+        Their sum, the only thing the update uses, is unchanged, so training continues
+        exactly; and a checkpoint written by any ONE process (rank 0) then restores
+        exactly on every process. A collective: call it on every process, outside the
+        training step, before writing the checkpoint. Does nothing in one process or
+        under a tf.distribute strategy (whose checkpoints already hold the sum).
+        """
+        if not self.built or distribute.strategy_replicas() > 1 or distribute.horovod_size() == 1:
+            return
+        accumulators = self.slots("accumulated")
+        means = distribute.mean_across([tf.convert_to_tensor(a) for a in accumulators],
+                                       name="dm_share_accumulators")
+        for acc, mean in zip(accumulators, means):
+            acc.assign(mean)
 
     @property
     def micro_step(self):
@@ -74,10 +100,15 @@ class GradientAccumulation(OptimizerWrapper):
         """Adds this micro-step's gradients to the accumulators; every `steps`-th
         micro-step, runs the wrapped update once on their mean."""
         accumulators = [self.slot("accumulated", v) for _, v in grads_and_vars]
-        present = [g is not None for g, _ in grads_and_vars]
-        for (g, _), acc in zip(grads_and_vars, accumulators):
+        for (g, v), acc in zip(grads_and_vars, accumulators):
             if g is not None:
                 acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
+                self._seen.add(_compat.variable_key(self, v))
+        # A variable whose gradient is None in THIS call still gets its accumulated mean
+        # if any call (any traced step) has given it a gradient: a window's micro-steps
+        # may come from different step functions, and the last one's None must not
+        # drop the window's sum.
+        present = [g is not None or self._seen.has(_compat.variable_key(self, v)) for g, v in grads_and_vars]
         micro = self._micro_step + 1
         self._micro_step.assign(micro)
         variables = [v for _, v in grads_and_vars]
@@ -96,3 +127,17 @@ class GradientAccumulation(OptimizerWrapper):
         config = super().get_config()
         config["steps"] = self.steps
         return config
+
+
+class _Seen:
+    """Variables that have had a gradient through this accumulation (a plain object, so
+    that TensorFlow's tracking leaves it alone)."""
+
+    def __init__(self):
+        self._refs = set()
+
+    def add(self, key) -> None:
+        self._refs.add(key)
+
+    def has(self, key) -> bool:
+        return key in self._refs

@@ -95,6 +95,48 @@ if scenario == "parity":
         w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
         results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                       "calls": counter.take(), "clipped_steps": P.clipped_steps(opt)}
+    # Accumulation resumed mid-window from a checkpoint that rank 0 alone wrote (defect:
+    # it held rank 0's partial sums only). After 6 of 16 micro-steps (window of 4), rank 0
+    # writes the model and optimizer; every rank restores them into a fresh model and
+    # optimizer and runs the remaining 10 micro-steps. With share_accumulators() before
+    # the write the result is the uninterrupted one; without it, it is not.
+    k, split = 4, 6
+    x, y = P.make_data(P.STEPS * k)
+    xs, ys = P.shard_rows(x, y, rank, size)
+    batches = list(tf.data.Dataset.from_tensor_slices((xs, ys)).batch(local))
+
+    def accumulation_run(batches_, model=None, opt=None):
+        model = model if model is not None else P.make_model(keras)
+        opt = opt if opt is not None else P.accumulating_adam(dm, keras, k)
+        opt.build(model.trainable_variables)
+
+        @tf.function
+        def step(xb, yb):
+            def loss_fn():
+                per_example = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1)
+                return tf.nn.compute_average_loss(per_example, global_batch_size=local)
+            opt.minimize(loss_fn, model.trainable_variables)
+
+        for xb, yb in batches_:
+            step(xb, yb)
+        return model, opt
+
+    for share in (True, False):
+        model, opt = accumulation_run(batches[:split])
+        if share:
+            opt.share_accumulators()
+        path = os.path.join(out_dir, f"accumulation_share={share}")
+        if rank == 0:
+            tf.train.Checkpoint(model=model, optimizer=opt).write(path)
+        hvd.allreduce(tf.constant(0), name=f"dm_test_barrier_{share}")  # the file exists for every rank
+        fresh_model, fresh_opt = P.make_model(keras, seed=5), P.accumulating_adam(dm, keras, k)
+        fresh_opt.build(fresh_model.trainable_variables)
+        tf.train.Checkpoint(model=fresh_model, optimizer=fresh_opt).read(path).assert_existing_objects_matched()
+        model, opt = accumulation_run(batches[split:], fresh_model, fresh_opt)
+        results[f"accumulate_resumed/share={share}"] = {
+            "weights": lists(P.weights(model)), "iterations": int(opt.iterations.numpy())}
+    counter.take()
+
     # Accumulation through model.fit (micro-batches of the local batch size).
     x, y = P.make_data(P.STEPS * 2)
     xs, ys = P.shard_rows(x, y, rank, size)

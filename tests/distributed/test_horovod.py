@@ -148,6 +148,19 @@ def test_accumulation_parity_and_one_allreduce_per_update(tmp_root, k):
         assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
 
 
+def test_accumulation_resumes_exactly_from_rank_0_checkpoint(tmp_root):
+    """Defect: each process accumulates its own micro-batches, and a checkpoint written by
+    rank 0 alone held rank 0's partial sums only. With share_accumulators() before the
+    write, a run restored from it on every rank ends where the uninterrupted run does."""
+    ref = P.reference_accumulation(4)
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        shared = r["accumulate_resumed/share=True"]
+        assert shared["iterations"] == P.STEPS
+        assert P.max_abs_diff(ref, arrays(shared["weights"])) <= 1e-6
+        # Without sharing, rank 1's partial sums are lost: the result differs.
+        assert P.max_abs_diff(ref, arrays(r["accumulate_resumed/share=False"]["weights"])) > 1e-4
+
+
 def test_accumulation_through_fit(tmp_root):
     ref = P.reference_accumulation(2)
     for r in job("horovod-gloo", 2, "parity", tmp_root):

@@ -102,3 +102,53 @@ def test_replicated_variable_starts_from_value_and_is_tracked():
     v = _compat.add_replicated_variable(opt, ref, "copy", initializer="value")
     assert v.numpy().tolist() == [1.0, 2.0]
     assert any(x is v for x in opt.variables)
+
+
+def test_in_xla_context_sees_jit_compile():
+    seen = {}
+
+    def probe(key):
+        seen[key] = _compat.in_xla_context()
+        return tf.constant(0)
+
+    tf.function(lambda: probe("xla"), jit_compile=True)()
+    tf.function(lambda: probe("graph"))()
+    assert seen == {"xla": True, "graph": False} and _compat.in_xla_context() is False
+
+
+def _compiled_model():
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(loss="mse", optimizer="sgd")
+    return model
+
+
+def test_keras_train_step_internals_used_by_integrate():
+    """Keras's TensorFlow train step uses `_call_has_training_arg`, `_compute_loss`,
+    `_loss_tracker` and `unscale_loss_for_distribution`; the integrated step does too."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer
+
+    source = inspect.getsource(trainer.TensorFlowTrainer.train_step)
+    for name in ("_call_has_training_arg", "_compute_loss", "_loss_tracker", "unscale_loss_for_distribution"):
+        assert name in source, name
+    model = _compiled_model()
+    x, y = tf.ones((4, 2)), tf.zeros((4, 1))
+    y_pred = _compat.call_training(model, x)
+    loss = _compat.compute_loss(model, x, y, y_pred, None)
+    _compat.track_loss(model, loss, x)
+    assert float(model._loss_tracker.result()) == float(loss)
+
+
+def test_keras_symbolic_build_internals_used_by_integrate():
+    """`_maybe_symbolic_build` (which reduces the first distributed batch) and
+    `_symbolic_build` exist on Keras's TensorFlow trainer."""
+    import inspect
+
+    from keras.src.backend.tensorflow import trainer
+
+    assert 'distribute_strategy.reduce(' in inspect.getsource(trainer.TensorFlowTrainer._maybe_symbolic_build)
+    model = _compiled_model()
+    _compat.build_from_local_batch(model)
+    model._maybe_symbolic_build(data_batch=(tf.ones((4, 2)), tf.zeros((4, 1)), None))
+    assert model.optimizer.built

@@ -232,3 +232,26 @@ def test_stats_logger_writes_fit_logs_and_tensorboard(tmp_path):
     assert events["gradients/loss_scale"] == [32.0, 128.0]
     assert events["gradients/grad_norm"] == pytest.approx(history.history["grad_norm"])
     assert set(events) >= {"gradients/clipped_share", "gradients/skipped_steps"}
+
+
+@pytest.mark.parametrize("use_function", [False, True])
+def test_none_gradient_at_the_boundary_keeps_its_window(use_function):
+    """Defect: a variable whose gradient was None at the update's micro-step lost the
+    whole window's accumulated gradient (b stayed at 2.0)."""
+    a, b, never = tf.Variable([1.0]), tf.Variable([2.0]), tf.Variable([5.0])
+    opt = dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(1.0)), steps=2)
+
+    def full():
+        opt.apply_gradients([(tf.constant([1.0]), a), (tf.constant([4.0]), b), (None, never)])
+
+    def partial():
+        opt.apply_gradients([(tf.constant([3.0]), a), (None, b), (None, never)])
+
+    if use_function:
+        full, partial = tf.function(full), tf.function(partial)
+    full()
+    partial()
+    assert float(a.numpy()[0]) == -1.0  # 1 - (1 + 3) / 2
+    assert float(b.numpy()[0]) == 0.0  # 2 - (4 + nothing) / 2
+    assert float(never.numpy()[0]) == 5.0  # never had a gradient: not updated
+    assert int(opt.iterations.numpy()) == 1
