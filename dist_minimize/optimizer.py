@@ -438,7 +438,36 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 "`model.compile(..., auto_scale_loss=False)` and use "
                 "`dist_minimize.LossScaleOptimizer`. Received: an attempt to set "
                 f"loss_scale_factor={value!r} on {type(self).__name__}")
+        if name in _PER_REPLICA_SETTINGS and value and getattr(self, "_dm_constructed", False):
+            raise TypeError(
+                f"Setting `{name}` on a dist_minimize optimizer would change nothing (its Keras "
+                f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[name].format(value)}. "
+                f"Received: {name}={value!r} on {type(self).__name__}")
         super().__setattr__(name, value)
+
+    @property
+    def weight_decay(self):
+        """The wrapped Keras optimizer's `weight_decay` (reading and setting reach it)."""
+        if not getattr(self, "_dm_constructed", False):
+            return None
+        return self._decaying_optimizer().weight_decay
+
+    @weight_decay.setter
+    def weight_decay(self, value):
+        if not getattr(self, "_dm_constructed", False):
+            return  # Keras's base constructor sets None; the update rule's own setting counts
+        self._decaying_optimizer().weight_decay = value
+
+    def update_step(self, gradient, variable, learning_rate):
+        """Not available: a dist_minimize optimizer updates through its stages.
+
+        Raises:
+          NotImplementedError: always, saying what to call instead.
+        """
+        raise NotImplementedError(
+            "A dist_minimize optimizer has no per-variable `update_step`: call `apply_gradients` "
+            "or `minimize` (they run the stages; the update rule is the wrapped Keras "
+            f"optimizer's). Received: update_step on {type(self).__name__}")
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Exempts variables from the wrapped Keras optimizer's `weight_decay`.

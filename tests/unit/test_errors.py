@@ -2,6 +2,7 @@
 
 import builtins
 import os
+import re
 
 import keras
 import pytest
@@ -174,3 +175,25 @@ def test_auto_refuses_a_multiprocess_job_with_nothing_to_aggregate(monkeypatch, 
     explicit = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="none")
     explicit.apply_gradients([(tf.constant([1.0]), v)])
     assert float(v.numpy()[0]) == pytest.approx(0.9)
+
+
+def test_keras_settings_on_a_dist_minimize_optimizer_reach_the_rule_or_raise():
+    """Defect: Keras optimizer attributes set on a dist_minimize optimizer (the object
+    model.compile received) changed nothing without a word."""
+    import tensorflow as tf
+
+    opt = dm.LossScaleOptimizer(dm.Optimizer(keras.optimizers.SGD(0.1, weight_decay=0.2)), initial_scale=1.0)
+    assert opt.weight_decay == 0.2  # read from the update rule
+    opt.weight_decay = 0.5
+    assert opt.stack()[-1].inner_optimizer.weight_decay == 0.5
+    v = tf.Variable([2.0])
+    opt.apply_gradients([(tf.constant([0.0]), v)])
+    assert float(v.numpy()[0]) == pytest.approx(2.0 * (1 - 0.5 * 0.1))  # decayed with the new value
+    for name, value, instead in [("clipnorm", 1.0, "clip_by_norm(1.0)"), ("global_clipnorm", 2.0, "clip_by_global_norm(2.0)"),
+                                 ("clipvalue", 0.5, "clip_by_value(0.5)"), ("use_ema", True, "no use_ema"),
+                                 ("gradient_accumulation_steps", 4, "no gradient_accumulation_steps")]:
+        pattern = f"Setting `{name}`.*{re.escape(instead)}.*Received: {name}={re.escape(repr(value))}"
+        with pytest.raises(TypeError, match=pattern):
+            setattr(opt, name, value)
+    with pytest.raises(NotImplementedError, match="call `apply_gradients` or `minimize`"):
+        opt.update_step(tf.constant([1.0]), v, 0.1)
