@@ -61,9 +61,9 @@ MUTATIONS = [
              [HOROVOD_PARITY]),
     Mutation("aggregate-twice", "the optimizer runs aggregate_gradients twice per step",
              "dist_minimize/optimizer.py",
-             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
-             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
-             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
+             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
              [MIRRORED, MULTIWORKER, HOROVOD_PARITY, f"{HOROVOD}::test_one_grouped_allreduce_per_step"]),
     Mutation("keras-all-reduce-kept", "the inner Keras optimizer's own all-reduce is left on (two aggregations)",
              "dist_minimize/_compat.py",
@@ -98,12 +98,12 @@ MUTATIONS = [
              [f"{HOROVOD}::test_fp16_compression_within_its_bound_and_not_skipped"]),
     Mutation("clip-before-aggregation", "transform_gradients (the clipper) runs before aggregation",
              "dist_minimize/optimizer.py",
-             '        if aggregate:\n'
-             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
-             '        grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
-             '        grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
-             '        if aggregate:\n'
-             '            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             '            if aggregate:\n'
+             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
+             '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
+             '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
+             '            if aggregate:\n'
+             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
              [MIRRORED, MULTIWORKER, HOROVOD_PARITY]),
     Mutation("exit-worker-noop", "cluster.exit_worker returns at once (no barrier, no ordered exit)",
              "dist_minimize/cluster.py",

@@ -16,8 +16,10 @@ wins.)
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
@@ -149,8 +151,99 @@ def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation 
          "and process); replicas where it holds:", votes, "of", n])
 
 
+class _Pending(threading.local):
+    updates: list | None = None
+    finite: dict | None = None
+
+
+_PENDING = _Pending()
+
+
+def _merge_call_replica_context():
+    """The replica context when updates synchronise through merge_call, else None."""
+    ctx = tf.distribute.get_replica_context()
+    if tf.distribute.has_strategy() and ctx is not None and _compat.strategy_uses_merge_call():
+        return ctx
+    return None
+
+
+@contextlib.contextmanager
+def deferred_updates():
+    """Collects `assign_replicated` calls made inside, to be made by `run_if(updates=...)`.
+
+    Yields the list; pass it to the step's `run_if(..., updates=pending)` (or
+    `flush_updates(pending)`), which makes them all in its one cross-replica step. What
+    a dist_minimize step does around its stages, so that the statistics and counters
+    of every transform cost no synchronisation of their own.
+    """
+    previous = _PENDING.updates, _PENDING.finite
+    _PENDING.updates, _PENDING.finite = [], {}
+    try:
+        yield _PENDING.updates
+    finally:
+        _PENDING.updates, _PENDING.finite = previous
+
+
+def _finite_key(grads) -> tuple:
+    return tuple(id(g) for g in grads if g is not None)
+
+
+def note_all_finite(grads, value: tf.Tensor) -> None:
+    """Records, for the rest of this step, whether every element of `grads` is finite.
+
+    A transform that knows it (the global-norm clipper: its outputs are finite exactly
+    when the norm is) saves the non-finite guard another pass over every gradient
+    element. Only within a dist_minimize step; elsewhere it does nothing.
+    """
+    if _PENDING.finite is not None:
+        grads = [g for g in grads if g is not None]
+        _PENDING.finite[_finite_key(grads)] = (value, grads)  # (the tensors stay alive: ids stay unique)
+
+
+def known_all_finite(grads) -> tf.Tensor | None:
+    """What `note_all_finite` recorded for exactly these gradient tensors in this step, or None."""
+    if _PENDING.finite is None:
+        return None
+    entry = _PENDING.finite.get(_finite_key(grads))
+    return entry[0] if entry is not None else None
+
+
+def assign_replicated(variable, value) -> None:
+    """`variable.assign(value)` for a replicated variable that every replica sets alike.
+
+    Under a merge-call strategy each such assign in the replica context is a
+    synchronisation of all replicas; inside `deferred_updates` (every dist_minimize
+    step) it is made later, together with the others, in the step's one cross-replica
+    branch, from the first replica's value. Reads of `variable` later in the same step
+    see the old value. Elsewhere it assigns at once.
+    """
+    if _PENDING.updates is not None and _merge_call_replica_context() is not None:
+        _PENDING.updates.append((variable, tf.convert_to_tensor(value)))
+    else:
+        variable.assign(value)
+
+
+def _assign_first(strategy, pairs: Sequence, values) -> None:
+    for (variable, _), value in zip(pairs, values):
+        variable.assign(strategy.experimental_local_results(value)[0])
+
+
+def flush_updates(updates: Sequence) -> None:
+    """Makes deferred `assign_replicated` updates now (one synchronisation for all)."""
+    updates = list(updates)
+    if not updates:
+        return
+    ctx = _merge_call_replica_context()
+    if ctx is None:
+        for variable, value in updates:
+            variable.assign(value)
+        return
+    ctx.merge_call(lambda strategy, values: _assign_first(strategy, updates, values),
+                   args=([value for _, value in updates],))
+
+
 def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Callable | None = None,
-           check: bool = False) -> None:
+           check: bool = False, updates: Sequence = ()) -> None:
     """Runs `fn(*args)` on every replica when the agreed `condition` holds, else `otherwise()`.
 
     `condition` must be identical on every replica and process: derive it from
@@ -170,6 +263,10 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
     from the calling replica is replica 0's on every replica. Variables may be captured
     (each replica resolves its own copy). `otherwise` takes no arguments and should
     only update replicated variables.
+
+    `updates`: (replicated variable, per-replica value) pairs, e.g. from
+    `deferred_updates`, assigned before the branch in the same cross-replica step (no
+    synchronisation of their own).
     """
     otherwise = otherwise if otherwise is not None else (lambda: None)
     if check:
@@ -177,10 +274,11 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
         if assertion is not None:
             with tf.control_dependencies([assertion]):
                 condition = tf.identity(condition)
-    ctx = tf.distribute.get_replica_context()
-    if (tf.distribute.has_strategy() and ctx is not None
-            and _compat.strategy_uses_merge_call()):
-        def cross_replica(strategy, condition, args):
+    updates = list(updates)
+    ctx = _merge_call_replica_context()
+    if ctx is not None:
+        def cross_replica(strategy, condition, args, values):
+            _assign_first(strategy, updates, values)
             agreed = strategy.experimental_local_results(condition)[0]
 
             def run():
@@ -188,8 +286,11 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
 
             tf.cond(agreed, run, otherwise)
 
-        ctx.merge_call(cross_replica, args=(condition, args))
-    elif tf.executing_eagerly():
+        ctx.merge_call(cross_replica, args=(condition, args, [value for _, value in updates]))
+        return
+    for variable, value in updates:
+        variable.assign(value)
+    if tf.executing_eagerly():
         if bool(condition):
             fn(*args)
         else:

@@ -227,15 +227,19 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
           aggregate: False when the caller aggregated already (`apply_gradients(...,
             aggregate=False)`).
         """
-        if aggregate:
-            grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
-        grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
-        condition = top.update_condition(grads_and_vars)
+        with distribute.deferred_updates() as pending:
+            if aggregate:
+                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
+            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
+            condition = top.update_condition(grads_and_vars)
+        # The transforms' statistics and counters (`assign_replicated`) are made in the
+        # same cross-replica step as the update decision: one synchronisation per step.
         if condition is None:
+            distribute.flush_updates(pending)
             top._apply_and_notify(grads_and_vars)
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
-                              otherwise=top._notify_skipped)
+                              otherwise=top._notify_skipped, updates=pending)
 
     def update_condition(self, grads_and_vars: list) -> tf.Tensor | None:
         """Whether this step's update is applied: a scalar bool tensor, or None for "always".
@@ -510,7 +514,21 @@ def _slot_prefix(variable) -> str:
 
 
 def all_finite(grads) -> tf.Tensor:
-    """A scalar bool: whether every element of every gradient is finite."""
+    """A scalar bool: whether every element of every gradient is finite.
+
+    Within a step, computed once per list of gradient tensors (and not at all where a
+    transform already knows: `dist_minimize.distribute.note_all_finite`).
+    """
+    grads = list(grads)
+    known = distribute.known_all_finite(grads)
+    if known is not None:
+        return known
+    result = _all_finite(grads)
+    distribute.note_all_finite(grads, result)
+    return result
+
+
+def _all_finite(grads) -> tf.Tensor:
     checks = [
         tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
         for g in grads if g is not None

@@ -112,6 +112,10 @@ class OptimizerWrapper(StagedOptimizer):
 
     # -- state: delegate -----------------------------------------------------------------
 
+    def update_condition(self, grads_and_vars):
+        """Delegates to the wrapped optimizer (see `StagedOptimizer.update_condition`)."""
+        return self.wrapped.update_condition(grads_and_vars)
+
     def run_update(self, grads_and_vars, *, top, aggregate):
         """Delegates to the wrapped optimizer (see `StagedOptimizer.run_update`)."""
         self.wrapped.run_update(grads_and_vars, top=top, aggregate=aggregate)

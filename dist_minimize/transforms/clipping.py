@@ -11,6 +11,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from dist_minimize import distribute
 from dist_minimize.transforms.base import (
     GradientTransform,
     accumulation_dtype,
@@ -97,19 +98,22 @@ class ClipByGlobalNorm(GradientTransform):
         # overflows) gives a NaN factor, so the scaled gradients are not finite and the
         # non-finite guard skips the step everywhere; clip / inf = 0 would instead apply
         # an all-zero step (advancing `iterations` and decaying Adam's moments).
-        factor = tf.where(tf.math.is_finite(norm), clip / tf.maximum(norm, clip),
-                          tf.constant(float("nan"), norm.dtype))
+        finite = tf.math.is_finite(norm)
+        factor = tf.where(finite, clip / tf.maximum(norm, clip), tf.constant(float("nan"), norm.dtype))
         if self._state is not None:
-            self._record(norm, clip)
+            self._record(norm, clip, finite)
 
         def scale(g):
             return g * tf.cast(factor, g.dtype)
 
-        return [(map_gradient(g, scale), v) for g, v in grads_and_vars]
+        out = [(map_gradient(g, scale), v) for g, v in grads_and_vars]
+        # Finite norm <=> every scaled element finite (a non-finite norm gives a NaN
+        # factor): the guard need not scan the gradients again.
+        distribute.note_all_finite([g for g, _ in out], finite)
+        return out
 
-    def _record(self, norm, clip):
+    def _record(self, norm, clip, finite):
         norm64 = tf.cast(norm, tf.float64)
-        finite = tf.math.is_finite(norm64)
         clipped = tf.cast(tf.logical_and(finite, norm > clip), tf.float64)
         finite_f = tf.cast(finite, tf.float64)
         old = tf.convert_to_tensor(self._state)
@@ -121,7 +125,7 @@ class ClipByGlobalNorm(GradientTransform):
             old[_CLIPPED_STEPS] + clipped,
             old[_NONFINITE_STEPS] + (1.0 - finite_f),
         ])
-        self._state.assign(new)
+        distribute.assign_replicated(self._state, new)
 
     def stats(self) -> dict:
         """Last norm, last clipped flag, and running totals (see the class docstring)."""

@@ -67,7 +67,7 @@ class ConsistencyCheck(GradientTransform):
             return grads_and_vars
         distribute.refuse_xla("check_consistency", distribute.ASSERT_DROPPED)
         step = self._step + 1
-        self._step.assign(step)
+        distribute.assign_replicated(self._step, step)
         names, values = [], []
         for g, v in grads_and_vars:
             name = getattr(v, "path", None) or v.name

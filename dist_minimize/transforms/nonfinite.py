@@ -61,10 +61,12 @@ class LimitNonFiniteSteps(GradientTransform):
             message=(f"Training stopped: more than {self.max_consecutive} consecutive steps had "
                      "non-finite aggregated gradients (each was skipped on every replica). "
                      "Lower the learning rate, check the data, or raise max_consecutive."))
+        distribute.assign_replicated(self._count, count)
         with tf.control_dependencies([check]):
-            self._count.assign(count)
-            return [(tf.identity(g) if g is not None and not isinstance(g, tf.IndexedSlices) else g, v)
-                    for g, v in grads_and_vars]
+            out = [(tf.identity(g) if g is not None and not isinstance(g, tf.IndexedSlices) else g, v)
+                   for g, v in grads_and_vars]
+        distribute.note_all_finite([g for g, _ in out], finite)  # the same values: no second scan
+        return out
 
     def stats(self) -> dict:
         """The current count of consecutive non-finite steps."""

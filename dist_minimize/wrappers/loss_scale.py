@@ -5,7 +5,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize import distribute
+from dist_minimize.optimizer import StagedOptimizer, all_finite
 from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
 from dist_minimize.wrapper import OptimizerWrapper
 
@@ -101,25 +102,27 @@ class LossScaleOptimizer(OptimizerWrapper):
         unscaled = [(map_gradient(g, unscale) if g is not None else None, v) for g, v in grads_and_vars]
         return self.wrapped.transform_gradients(unscaled)
 
-    def on_applied(self, grads_and_vars):
-        """In dynamic mode: counts a good step, and grows the scale every `growth_interval`."""
+    def update_condition(self, grads_and_vars):
+        """All final gradients finite (whatever the wrapped `skip_nonfinite` says), and,
+        in dynamic mode, the scale's bookkeeping: a finite step counts as good and the
+        scale grows every `growth_interval` good steps; a non-finite one divides it by
+        `growth_factor`. (Made in the step's one cross-replica synchronisation.)"""
+        inner = self.wrapped.update_condition(grads_and_vars)
+        finite = all_finite([g for g, _ in grads_and_vars])
+        if inner is not None:
+            finite = tf.logical_and(finite, inner)
         if self.dynamic:
-            good = self._good_steps + 1
+            scale = tf.convert_to_tensor(self._loss_scale)
+            good = tf.where(finite, tf.convert_to_tensor(self._good_steps) + 1, tf.zeros([], tf.int64))
             grow = good >= self.growth_interval
-            self._loss_scale.assign(tf.where(grow, self._loss_scale * self.growth_factor, self._loss_scale))
-            self._good_steps.assign(tf.where(grow, tf.zeros_like(good), good))
-
-    # -- the skip decision ---------------------------------------------------------------
+            scale = tf.where(finite, tf.where(grow, scale * self.growth_factor, scale), scale / self.growth_factor)
+            distribute.assign_replicated(self._loss_scale, scale)
+            distribute.assign_replicated(self._good_steps, tf.where(grow, tf.zeros_like(good), good))
+        return finite
 
     @property
     def skip_nonfinite(self) -> bool:
         return True  # loss scaling relies on skipping overflowed steps
-
-    def on_skipped(self):
-        """In dynamic mode: divides the scale by `growth_factor` (the skip is counted by `Optimizer`)."""
-        if self.dynamic:
-            self._loss_scale.assign(self._loss_scale / self.growth_factor)
-            self._good_steps.assign(tf.zeros_like(self._good_steps))
 
     def gradient_stats(self) -> dict:
         """The wrapped statistics plus `loss_scale`."""

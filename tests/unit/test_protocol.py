@@ -234,3 +234,28 @@ def test_distribute_without_strategy_is_one_replica():
     ran = []
     dm.distribute.run_if(tf.constant(False), lambda: ran.append("fn"), otherwise=lambda: ran.append("otherwise"))
     assert ran == ["otherwise"]
+
+
+# -- a lean hot path -------------------------------------------------------------------------
+
+
+def is_finite_ops(opt, n_vars=10) -> int:
+    """IsFinite ops in a traced step over `n_vars` variables (main graph: where the
+    guard decides)."""
+    variables = [tf.Variable(tf.ones([3])) for _ in range(n_vars)]
+    opt.build(variables)
+    step = tf.function(lambda: opt.apply_gradients([(tf.ones([3]), v) for v in variables]))
+    return sum(op.type == "IsFinite" for op in step.get_concrete_function().graph.get_operations())
+
+
+def test_the_finite_check_is_not_computed_twice():
+    """Item 7: without a clipper the guard scans each gradient once, also under loss
+    scaling (which used to scan again); after the global-norm clipper it scans nothing
+    (the norm's finiteness decides), whatever the number of variables."""
+    assert is_finite_ops(dm.Optimizer(sgd())) == 10
+    assert is_finite_ops(dm.LossScaleOptimizer(dm.Optimizer(sgd()))) == 10
+    clipped = is_finite_ops(dm.Optimizer(sgd(), transform_gradients=dm.clip_by_global_norm(1.0)))
+    assert clipped == is_finite_ops(dm.Optimizer(sgd(), transform_gradients=dm.clip_by_global_norm(1.0)), n_vars=40)
+    assert clipped == 1  # the clipper's check of the norm
+    limited = dm.Optimizer(sgd(), transform_gradients=[dm.limit_nonfinite_steps(3)])
+    assert is_finite_ops(limited) == 10  # the limit's scan is the guard's
