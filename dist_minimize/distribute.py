@@ -159,6 +159,12 @@ class _Pending(threading.local):
 _PENDING = _Pending()
 
 
+def uses_merge_call() -> bool:
+    """Whether the current strategy synchronises replicas through `merge_call` (every
+    CPU strategy does)."""
+    return tf.distribute.has_strategy() and _compat.strategy_uses_merge_call()
+
+
 def _merge_call_replica_context():
     """The replica context when updates synchronise through merge_call, else None."""
     ctx = tf.distribute.get_replica_context()

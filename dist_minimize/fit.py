@@ -74,7 +74,8 @@ def integrate(model: keras.Model) -> keras.Model:
     else:
         model.train_step = types.MethodType(train_step, model)
     if model.jit_compile:
-        reasons = xla_blockers(optimizer)
+        with model.distribute_strategy.scope():
+            reasons = xla_blockers(optimizer)
         if reasons:
             logger.warning("dist_minimize.integrate: jit_compile turned off for %s: %s.",
                            model.name, "; ".join(reasons))
@@ -111,6 +112,9 @@ def xla_blockers(optimizer: StagedOptimizer) -> list[str]:
     from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps
 
     reasons = []
+    if distribute.strategy_replicas() > 1 and distribute.uses_merge_call():
+        reasons.append(f"{type(tf.distribute.get_strategy()).__name__} on these devices synchronises "
+                       "through merge_call, which TensorFlow cannot compile with XLA")
     base = optimizer.stack()[-1]
     horovod_job = distribute.strategy_replicas() == 1 and distribute.horovod_size() > 1
     for fn in base.transforms:

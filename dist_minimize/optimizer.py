@@ -227,6 +227,12 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
           aggregate: False when the caller aggregated already (`apply_gradients(...,
             aggregate=False)`).
         """
+        if distribute.strategy_replicas() > 1 and distribute.uses_merge_call():
+            distribute.refuse_xla(
+                f"A step under {type(tf.distribute.get_strategy()).__name__} on these devices",
+                "the strategy synchronises its replicas through merge_call, and TensorFlow cannot "
+                "compile such a step (stock Keras fails at run time: 'Trying to access resource ... "
+                "located in device ...'); Keras's own default under a strategy is jit_compile=False")
         with distribute.deferred_updates() as pending:
             if aggregate:
                 grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
@@ -627,6 +633,14 @@ class Optimizer(StagedOptimizer):
             aggregators = [aggregation.get(a) for a in aggregate_gradients]
         else:
             aggregators = [aggregation.get(aggregate_gradients)]
+        aggregating = [a for a in aggregators
+                       if isinstance(a, aggregation.Aggregator) and not isinstance(a, aggregation.IdentityAggregator)]
+        if len(aggregating) > 1:
+            raise ValueError(
+                f"`aggregate_gradients` holds {len(aggregating)} aggregating backends "
+                f"({', '.join(repr(a.name) for a in aggregating)}): the gradients would be aggregated "
+                f"{len(aggregating)} times per step. Pass one backend (custom callables may go around it). "
+                f"Received: aggregate_gradients={aggregate_gradients!r}")
         gradient_fns = _stages.as_callables(transform_gradients, "transform_gradients")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"`skip_nonfinite` must be a bool. Received: skip_nonfinite={skip_nonfinite!r}")

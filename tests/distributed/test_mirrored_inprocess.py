@@ -329,3 +329,32 @@ def test_one_synchronisation_per_step_for_guard_counters_and_statistics(stack, m
         return dm.LossScaleOptimizer(opt) if stack.startswith("lso") else opt
 
     assert count_merge_calls(dm_stack, monkeypatch) - count_merge_calls(hand, monkeypatch) == 2  # 1 per replica
+
+
+def test_xla_under_mirrored_on_cpus_is_refused_and_integrate_turns_it_off(caplog):
+    """jit_compile=True under MirroredStrategy on CPU devices fails in TensorFlow itself
+    (stock Keras too, at run time); dist_minimize refuses at the first trace naming the
+    fix, and dm.integrate turns XLA off and trains as without it."""
+    import logging
+
+    s = strategy()
+    x, y = P.make_data()
+
+    def fit(integrate):
+        with s.scope():
+            model = P.make_model(keras)
+            opt = P.build_optimizer(dm, keras, "sgd-0.01", True, "some", "auto", None)
+            model.compile(loss="mse", optimizer=opt, jit_compile=True)
+        if integrate:
+            dm.integrate(model)
+        model.fit(x, y, batch_size=P.GLOBAL_BATCH, shuffle=False, verbose=0)
+        return model, opt
+
+    with pytest.raises(RuntimeError, match="cannot run in an XLA-compiled step.*jit_compile=False"):
+        fit(False)
+    with caplog.at_level(logging.WARNING, logger="dist_minimize"):
+        model, opt = fit(True)
+    assert model.jit_compile is False and "merge_call" in caplog.text
+    ref, _, _ = P.train(tf.distribute.get_strategy(), "sgd-0.01", "fit", clip="some")
+    assert P.max_abs_diff(ref, P.weights(model)) <= 1e-6
+    assert P.clipped_steps(opt) == P.CLIPPED_STEPS["some"]

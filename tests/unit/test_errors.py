@@ -197,3 +197,11 @@ def test_keras_settings_on_a_dist_minimize_optimizer_reach_the_rule_or_raise():
             setattr(opt, name, value)
     with pytest.raises(NotImplementedError, match="call `apply_gradients` or `minimize`"):
         opt.update_step(tf.constant([1.0]), v, 0.1)
+
+
+def test_two_aggregating_backends_are_refused():
+    with pytest.raises(ValueError, match=r"holds 2 aggregating backends \('strategy', 'horovod'\).*aggregated 2 times"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["strategy", "horovod"])
+    with pytest.raises(ValueError, match="holds 2 aggregating backends"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["auto", dm.aggregation.StrategyAggregator()])
+    dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["none", "strategy", lambda gv: gv])  # one backend
