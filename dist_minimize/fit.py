@@ -59,6 +59,7 @@ def integrate(model: keras.Model) -> keras.Model:
             "`integrate(model)` needs a model compiled with a dist_minimize optimizer: call "
             "`model.compile(optimizer=dist_minimize.Optimizer(...), ...)` first. Received: "
             f"optimizer={type(optimizer).__name__ if optimizer is not None else None}")
+    model.train_function = None  # Keras caches it at the first fit; rebuild it with this step
     strategy = model.distribute_strategy
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     if multi_worker:

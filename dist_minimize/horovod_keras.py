@@ -164,6 +164,7 @@ class ShareAccumulatorsCallback(keras.callbacks.Callback):
             raise ValueError(f"`every_n_batches` must be None or an integer >= 1. "
                              f"Received: every_n_batches={every_n_batches!r}")
         self.every_n_batches = every_n_batches
+        self._batches = 0  # across epochs, as ModelCheckpoint(save_freq=N) counts
 
     def _share(self):
         from dist_minimize.wrappers.accumulation import GradientAccumulation
@@ -174,7 +175,8 @@ class ShareAccumulatorsCallback(keras.callbacks.Callback):
             accumulation.share_accumulators()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.every_n_batches and (batch + 1) % self.every_n_batches == 0:
+        self._batches += 1
+        if self.every_n_batches and self._batches % self.every_n_batches == 0:
             self._share()
 
     def on_epoch_end(self, epoch, logs=None):

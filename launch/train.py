@@ -139,6 +139,9 @@ def run_fit(args, strategy=None) -> float:
         model, optimizer = build_model(keras, args)
         model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(**LOSS_ARGS),
                       metrics=["accuracy"])
+    # Every stage under fit, and XLA (Keras's default on GPU machines without a strategy,
+    # which Horovod's collectives cannot run in) turned off with a logged reason.
+    dm.integrate(model)
     callbacks.append(dm.callbacks.GradientStatsLogger())
     model.fit(train, epochs=args.epochs, verbose=verbose, shuffle=False, callbacks=callbacks)
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.global_batch)

@@ -23,12 +23,11 @@
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Callable
 
 import tensorflow as tf
 
-from dist_minimize.aggregation.base import Aggregator, IdentityAggregator
+from dist_minimize.aggregation.base import Aggregator, IdentityAggregator, refuse_unaggregated_job
 from dist_minimize import _compat, distribute
 from dist_minimize.aggregation.horovod import HorovodAggregator
 from dist_minimize.aggregation.nccl import NcclAggregator, is_gpu, nccl_plan
@@ -67,7 +66,6 @@ class AutoAggregator(Aggregator):
 
     def __init__(self):
         self._chosen: dict[str, Aggregator] = {}
-        self._job = None
 
     def select(self) -> Aggregator:
         """Returns the backend this step uses (logging the choice the first time).
@@ -81,39 +79,13 @@ class AutoAggregator(Aggregator):
         devices = list(strategy.extended.worker_devices) if n > 1 else []
         horovod_size = distribute.horovod_size()
         if n == 1 and horovod_size == 1:
-            self._refuse_unaggregated_job(sys.modules.get("horovod.tensorflow"))
+            refuse_unaggregated_job("auto")
         name, reason = auto_choice(n, devices, _compat.cross_device_ops_name(strategy) if n > 1 else "none",
                                    horovod_size, tf.test.is_built_with_cuda())
         if name not in self._chosen:
             logger.info("aggregate_gradients='auto' chose %r: %s", name, reason)
             self._chosen[name] = _BACKENDS[name]()
         return self._chosen[name]
-
-    def _refuse_unaggregated_job(self, hvd) -> None:
-        from dist_minimize import cluster
-
-        if self._job is None:
-            self._job = cluster.discover()
-        job = self._job
-        if job.size == 1:
-            return
-        if job.launcher == "tf_config":
-            raise RuntimeError(
-                f"aggregate_gradients='auto' found nothing to aggregate with, but TF_CONFIG names "
-                f"{job.size} workers (this is worker {job.rank}): each worker would train its own model. "
-                "Create the model and the optimizer inside "
-                "`tf.distribute.MultiWorkerMirroredStrategy().scope()`, or pass "
-                "aggregate_gradients='none' if you aggregate the gradients elsewhere.")
-        state = ("`horovod.tensorflow` is not imported" if hvd is None
-                 else "Horovod is imported but `hvd.init()` was not called")
-        raise RuntimeError(
-            f"aggregate_gradients='auto' found nothing to aggregate with, but this process is rank "
-            f"{job.rank} of {job.size} ({job.launcher} started {job.size} processes) and {state}: each "
-            "process would train its own model. Call `dist_minimize.horovod_keras.init()` before "
-            "building the model, and broadcast rank 0's initial weights "
-            "(`dist_minimize.horovod_keras.BroadcastVariablesCallback()` in `fit`), or create the "
-            "model and optimizer inside a `tf.distribute.MultiWorkerMirroredStrategy` scope; pass "
-            "aggregate_gradients='none' only if you aggregate the gradients elsewhere.")
 
     @property
     def reduction(self):  # type: ignore[override]

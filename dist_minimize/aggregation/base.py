@@ -70,3 +70,42 @@ def merge_nones(grads_and_vars: GradsAndVars, positions, reduced) -> list:
     for i, g in zip(positions, reduced):
         out[i] = (g, grads_and_vars[i][1])
     return out
+
+
+def refuse_unaggregated_job(backend: str) -> None:
+    """Raises if this process is one of several in a job while `backend` found nothing
+    to aggregate with here (no multi-replica strategy, no Horovod it uses): each process
+    would train its own model. Does nothing in a one-process job.
+
+    Raises:
+      RuntimeError: naming the job, what is missing and the fix.
+    """
+    import sys
+
+    from dist_minimize import cluster, distribute
+
+    job = cluster.discover()  # environment variables only: cheap, and traced steps call it once
+    if job.size == 1:
+        return
+    if job.launcher == "tf_config":
+        raise RuntimeError(
+            f"aggregate_gradients={backend!r} found nothing to aggregate with, but TF_CONFIG names "
+            f"{job.size} workers (this is worker {job.rank}): each worker would train its own model. "
+            "Create the model and the optimizer inside "
+            "`tf.distribute.MultiWorkerMirroredStrategy().scope()`, or pass "
+            "aggregate_gradients='none' if you aggregate the gradients elsewhere.")
+    if distribute.horovod() is not None:
+        state = (f"Horovod is initialised, but the {backend!r} backend does not use it: pass "
+                 "aggregate_gradients='horovod' (or 'auto')")
+    elif "horovod.tensorflow" in sys.modules:
+        state = "Horovod is imported but `hvd.init()` was not called"
+    else:
+        state = "`horovod.tensorflow` is not imported"
+    raise RuntimeError(
+        f"aggregate_gradients={backend!r} found nothing to aggregate with, but this process is rank "
+        f"{job.rank} of {job.size} ({job.launcher} started {job.size} processes) and {state}: each "
+        "process would train its own model. Call `dist_minimize.horovod_keras.init()` before "
+        "building the model, and broadcast rank 0's initial weights "
+        "(`dist_minimize.horovod_keras.BroadcastVariablesCallback()` in `fit`), or create the "
+        "model and optimizer inside a `tf.distribute.MultiWorkerMirroredStrategy` scope; pass "
+        "aggregate_gradients='none' only if you aggregate the gradients elsewhere.")

@@ -9,6 +9,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
+from dist_minimize.transforms.base import check_positive_finite
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
 _REDUCTIONS = ("mean", "sum", "adasum")
@@ -76,14 +77,7 @@ class HorovodAggregator(Aggregator):
             raise ValueError(
                 f"`compression` must be one of {list(_COMPRESSIONS)}. "
                 f"Received: compression={compression!r}")
-        try:
-            factor = float(gradient_predivide_factor)
-        except (TypeError, ValueError):
-            factor = float("nan")
-        if not (factor > 0 and math.isfinite(factor)):
-            raise ValueError(
-                "`gradient_predivide_factor` must be a positive finite number. "
-                f"Received: gradient_predivide_factor={gradient_predivide_factor!r}")
+        factor = check_positive_finite("gradient_predivide_factor", gradient_predivide_factor)
         if factor != 1.0 and reduction != "mean":
             raise ValueError(
                 "`gradient_predivide_factor` only applies to reduction='mean'. Received: "

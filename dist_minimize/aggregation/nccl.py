@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-from dist_minimize.aggregation.base import Aggregator, GradsAndVars
+from dist_minimize.aggregation.base import Aggregator, GradsAndVars, refuse_unaggregated_job
 from dist_minimize.aggregation.strategy import StrategyAggregator
 
 # tf.distribute cross-device ops that run NCCL on GPUs: collective ops take NCCL as
@@ -119,4 +119,5 @@ class NcclAggregator(Aggregator):
             if self._horovod_agg is None:
                 self._horovod_agg = HorovodAggregator()
             return self._horovod_agg(grads_and_vars)
+        refuse_unaggregated_job(self.name)
         return list(grads_and_vars)

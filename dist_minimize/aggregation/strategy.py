@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
+from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, refuse_unaggregated_job, split_nones
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -67,6 +67,7 @@ class StrategyAggregator(Aggregator):
             )
         ctx = tf.distribute.get_replica_context()
         if ctx is None or ctx.num_replicas_in_sync == 1:
+            refuse_unaggregated_job(self.name)
             return grads_and_vars
         positions, grads = split_nones(grads_and_vars)
         if not grads:

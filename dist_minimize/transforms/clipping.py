@@ -163,7 +163,10 @@ class ClipByNorm(GradientTransform):
         def clip(values):
             norm = global_norm([values])
             c = tf.constant(self.clip_norm, norm.dtype)
-            return values * tf.cast(c / tf.maximum(norm, c), values.dtype)
+            # As in ClipByGlobalNorm: a norm that is not finite gives NaN, so the guard
+            # skips the step instead of applying a zero step.
+            factor = tf.where(tf.math.is_finite(norm), c / tf.maximum(norm, c), tf.constant(float("nan"), norm.dtype))
+            return values * tf.cast(factor, values.dtype)
 
         return [(map_gradient(g, clip), v) for g, v in grads_and_vars]
 

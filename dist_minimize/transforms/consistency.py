@@ -38,7 +38,8 @@ class ConsistencyCheck(GradientTransform):
     compares the fingerprints across replicas with two small integer all-reduces (the
     sum of fingerprints, then the agreed mismatch), so every replica reaches the same
     verdict and fails at the same step, none waiting in a collective. Between checks it
-    costs one counter increment.
+    costs one counter increment and, under merge-call strategies, the branch's
+    synchronisation (one small merge_call per step).
 
     Works under tf.distribute strategies (replica context) and Horovod (processes).
     A mismatch raises `tf.errors.InvalidArgumentError`: "Replicas diverged at step S:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, distribute
+from dist_minimize import distribute
 from dist_minimize.optimizer import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
@@ -34,7 +34,8 @@ class GradientAccumulation(OptimizerWrapper):
     Accumulated gradients are dense (an `IndexedSlices` gradient is densified when
     accumulated). A variable with a `None` gradient at the update's micro-step still gets
     the mean of what it accumulated in the window, provided some step has ever given it
-    a gradient (a variable that never had one stays out of the update, as with Keras).
+    a gradient (a variable that never had one stays out of the update, as with Keras; one
+    that had gradients in an earlier window but none in this one gets a zero mean).
 
     The accumulators and the micro-step counter are optimizer state: checkpointed and
     restored, so a run resumed mid-accumulation continues exactly. Under tf.distribute a
@@ -103,14 +104,13 @@ class GradientAccumulation(OptimizerWrapper):
         for (g, v), acc in zip(grads_and_vars, accumulators):
             if g is not None:
                 acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
-                self._seen.add(_compat.variable_key(self, v))
+                self._seen.add(acc)
         # A variable whose gradient is None in THIS call still gets its accumulated mean
         # if any call (any traced step) has given it a gradient: a window's micro-steps
         # may come from different step functions, and the last one's None must not
         # drop the window's sum.
-        present = [g is not None or self._seen.has(_compat.variable_key(self, v)) for g, v in grads_and_vars]
+        present = [g is not None or self._seen.has(acc) for (g, _), acc in zip(grads_and_vars, accumulators)]
         micro = self._micro_step + 1
-        self._micro_step.assign(micro)
         variables = [v for _, v in grads_and_vars]
 
         def update():
@@ -120,7 +120,8 @@ class GradientAccumulation(OptimizerWrapper):
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
 
-        distribute.run_if(tf.equal(micro % self.steps, 0), update)
+        # The counter is set in the branch's own synchronisation (no merge_call of its own).
+        distribute.run_if(tf.equal(micro % self.steps, 0), update, updates=[(self._micro_step, micro)])
 
     def get_config(self):
         """The wrapped optimizer and `steps`."""
@@ -136,8 +137,8 @@ class _Seen:
     def __init__(self):
         self._refs = set()
 
-    def add(self, key) -> None:
-        self._refs.add(key)
+    def add(self, accumulator) -> None:
+        self._refs.add(id(accumulator))
 
-    def has(self, key) -> bool:
-        return key in self._refs
+    def has(self, accumulator) -> bool:
+        return id(accumulator) in self._refs

@@ -157,17 +157,20 @@ TF_CONFIG_2 = ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, '
       "OMPI_COMM_WORLD_LOCAL_SIZE": "3"}, ["rank 0 of 3", "openmpi started 3 processes"]),
     ({"TF_CONFIG": TF_CONFIG_2}, ["TF_CONFIG names 2 workers", "MultiWorkerMirroredStrategy().scope()"]),
 ])
-def test_auto_refuses_a_multiprocess_job_with_nothing_to_aggregate(monkeypatch, env, needles):
-    """Defect: under horovodrun without hvd.init(), "auto" trained N independent models."""
+@pytest.mark.parametrize("backend", ["auto", "strategy", "nccl"])
+def test_auto_refuses_a_multiprocess_job_with_nothing_to_aggregate(monkeypatch, env, needles, backend):
+    """Defect: under horovodrun without hvd.init(), "auto" trained N independent models
+    (and "strategy" or "nccl" outside a strategy did the same)."""
     for k in list(os.environ):
         if k.startswith(("HOROVOD_", "OMPI_COMM_WORLD_", "PMI_", "SLURM_")) or k == "TF_CONFIG":
             monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     v = tf.Variable([1.0])
-    opt = dm.Optimizer(keras.optimizers.SGD(0.1))
+    opt = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=backend)
     with pytest.raises(RuntimeError) as info:
         opt.apply_gradients([(tf.constant([1.0]), v)])
+    assert f"aggregate_gradients={backend!r} found nothing to aggregate with" in str(info.value)
     for needle in needles:
         assert needle in str(info.value)
     assert float(v.numpy()[0]) == 1.0  # nothing applied
@@ -200,8 +203,23 @@ def test_keras_settings_on_a_dist_minimize_optimizer_reach_the_rule_or_raise():
 
 
 def test_two_aggregating_backends_are_refused():
-    with pytest.raises(ValueError, match=r"holds 2 aggregating backends \('strategy', 'horovod'\).*aggregated 2 times"):
-        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["strategy", "horovod"])
+    with pytest.raises(ValueError, match=r"holds 2 aggregating backends \('strategy', 'nccl'\).*aggregated 2 times"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["strategy", "nccl"])
     with pytest.raises(ValueError, match="holds 2 aggregating backends"):
         dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["auto", dm.aggregation.StrategyAggregator()])
     dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=["none", "strategy", lambda gv: gv])  # one backend
+
+
+def test_clip_by_norm_skips_an_overflowing_norm():
+    """As for the global norm (defect 5): finite elements whose norm overflows must give a
+    skipped step, not a zero step that advances `iterations`."""
+    v = tf.Variable([1.0, 1.0])
+    opt = dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=dm.clip_by_norm(1.0))
+    opt.apply_gradients([(tf.constant([3e38, 3e38]), v)])
+    assert int(opt.skipped_steps.numpy()) == 1 and int(opt.iterations.numpy()) == 0
+    assert v.numpy().tolist() == [1.0, 1.0]
+
+
+def test_gradient_predivide_factor_refuses_strings():
+    with pytest.raises(TypeError, match="gradient_predivide_factor='2'"):
+        dm.aggregation.HorovodAggregator(gradient_predivide_factor="2")

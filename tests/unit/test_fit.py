@@ -102,3 +102,25 @@ def test_integrate_rejects_what_it_cannot_integrate():
     model.compile(loss="mse", optimizer=keras.optimizers.SGD(0.1))
     with pytest.raises(TypeError, match="Received: optimizer=SGD"):
         dm.integrate(model)
+
+
+def test_integrate_after_a_fit_takes_effect(monkeypatch):
+    """Keras caches its train function at the first fit; integrate must replace it."""
+    import dist_minimize.fit as fit_module
+
+    traced = []
+    original = fit_module.train_step
+
+    def counting(model, data):
+        traced.append(1)
+        return original(model, data)
+
+    monkeypatch.setattr(fit_module, "train_step", counting)
+    keras.utils.set_random_seed(1)
+    model = P.make_model(keras)
+    model.compile(loss="mse", optimizer=sgd_dm())
+    model.fit(X[:P.GLOBAL_BATCH], Y[:P.GLOBAL_BATCH], batch_size=P.GLOBAL_BATCH, verbose=0)
+    assert model.train_function is not None and not traced
+    dm.integrate(model)
+    model.fit(X[:P.GLOBAL_BATCH], Y[:P.GLOBAL_BATCH], batch_size=P.GLOBAL_BATCH, verbose=0)
+    assert traced  # the integrated step, not Keras's cached one

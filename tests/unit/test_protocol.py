@@ -225,7 +225,8 @@ def test_swap_values_swaps_in_and_restores_even_on_error():
 
 
 def test_distribute_without_strategy_is_one_replica():
-    assert dm.distribute.num_replicas() == 1 and dm.distribute.horovod() is None or dm.distribute.horovod_size() == 1
+    assert dm.distribute.num_replicas() == 1 and dm.distribute.strategy_replicas() == 1
+    assert dm.distribute.horovod_size() == 1
     x = tf.constant([1.0, 2.0])
     np.testing.assert_array_equal(dm.distribute.sum_across(x).numpy(), [1.0, 2.0])
     out = dm.distribute.mean_across([x, x * 2])

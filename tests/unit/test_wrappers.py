@@ -255,3 +255,21 @@ def test_none_gradient_at_the_boundary_keeps_its_window(use_function):
     assert float(b.numpy()[0]) == 0.0  # 2 - (4 + nothing) / 2
     assert float(never.numpy()[0]) == 5.0  # never had a gradient: not updated
     assert int(opt.iterations.numpy()) == 1
+
+
+def test_share_accumulators_callback_counts_batches_across_epochs(monkeypatch):
+    """It shares every N batches counted over the whole run (as ModelCheckpoint(save_freq=N)
+    counts), and at each epoch end; it finds the accumulation anywhere in the stack."""
+    calls = []
+    monkeypatch.setattr(dm.GradientAccumulation, "share_accumulators", lambda self: calls.append(self))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    accumulation = dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(0.1)), steps=2)
+    model.compile(loss="mse", optimizer=dm.LossScaleOptimizer(accumulation))
+    x = np.ones((6, 2), "float32")  # 3 batches an epoch
+    callback = dm.horovod_keras.ShareAccumulatorsCallback(every_n_batches=2)
+    model.fit(x, x[:, :1], batch_size=2, epochs=2, verbose=0, callbacks=[callback])
+    # batches 2, 4, 6 of the run (one falls in epoch 2's middle) + 2 epoch ends
+    assert len(calls) == 5 and all(c is accumulation for c in calls)
+    with pytest.raises(ValueError, match="every_n_batches=0"):
+        dm.horovod_keras.ShareAccumulatorsCallback(every_n_batches=0)
