@@ -358,3 +358,46 @@ def test_xla_under_mirrored_on_cpus_is_refused_and_integrate_turns_it_off(caplog
     ref, _, _ = P.train(tf.distribute.get_strategy(), "sgd-0.01", "fit", clip="some")
     assert P.max_abs_diff(ref, P.weights(model)) <= 1e-6
     assert P.clipped_steps(opt) == P.CLIPPED_STEPS["some"]
+
+
+def test_replica_local_accumulators_restore_exactly_under_mirrored(tmp_path):
+    """GradientAccumulation's replica-local slots are checkpointed as their sum and
+    restored as equal shares under MirroredStrategy: a run stopped after 6 of 16
+    micro-steps (window 4) and restored into a fresh model and optimizer ends where the
+    uninterrupted run ends, and where one device does."""
+    s = strategy()
+    x, y = P.make_data(P.STEPS * 4)
+
+    def run(lo, hi, model=None, opt=None):
+        with s.scope():
+            model = model if model is not None else P.make_model(keras)
+            opt = opt if opt is not None else P.accumulating_adam(dm, keras, 4)
+            opt.build(model.trainable_variables)
+        ds = s.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x[lo * P.GLOBAL_BATCH:hi * P.GLOBAL_BATCH],
+                                                y[lo * P.GLOBAL_BATCH:hi * P.GLOBAL_BATCH])).batch(P.GLOBAL_BATCH))
+
+        @tf.function
+        def step(xb, yb):
+            def replica_step(xb, yb):
+                def loss_fn():
+                    per_example = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1)
+                    return tf.nn.compute_average_loss(per_example, global_batch_size=P.GLOBAL_BATCH)
+                opt.minimize(loss_fn, model.trainable_variables)
+            s.run(replica_step, args=(xb, yb))
+
+        for xb, yb in ds:
+            step(xb, yb)
+        return model, opt
+
+    full, _ = run(0, 16)
+    model, opt = run(0, 6)
+    path = tf.train.Checkpoint(model=model, optimizer=opt).write(str(tmp_path / "c"))
+    with s.scope():
+        fresh_model, fresh_opt = P.make_model(keras, seed=5), P.accumulating_adam(dm, keras, 4)
+        fresh_opt.build(fresh_model.trainable_variables)
+    tf.train.Checkpoint(model=fresh_model, optimizer=fresh_opt).read(path).assert_existing_objects_matched()
+    resumed, resumed_opt = run(6, 16, fresh_model, fresh_opt)
+    assert int(resumed_opt.iterations.numpy()) == P.STEPS
+    assert P.max_abs_diff(P.weights(full), P.weights(resumed)) <= 1e-6
+    assert P.max_abs_diff(P.reference_accumulation(4), P.weights(resumed)) <= 1e-6
