@@ -29,7 +29,15 @@ from dist_minimize.transforms import (
 from dist_minimize.transforms.consistency import ConsistencyCheck, check_consistency
 from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps, limit_nonfinite_steps
 from dist_minimize.wrapper import OptimizerWrapper, swap_values
-from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer
+from dist_minimize.wrappers import (
+    SWA,
+    DecoupledWeightDecay,
+    GradientAccumulation,
+    Lookahead,
+    LossScaleOptimizer,
+    MovingAverage,
+    update_batch_norm,
+)
 
 __version__ = "0.1.0"
 
@@ -38,7 +46,12 @@ __all__ = [
     "ClipByNorm",
     "ClipByValue",
     "ConsistencyCheck",
+    "DecoupledWeightDecay",
     "GradientAccumulation",
+    "Lookahead",
+    "MovingAverage",
+    "SWA",
+    "update_batch_norm",
     "GradientTransform",
     "LimitNonFiniteSteps",
     "LossScaleOptimizer",

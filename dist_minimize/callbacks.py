@@ -79,3 +79,58 @@ class GradientStatsLogger(keras.callbacks.Callback):
             print(f"epoch {epoch + 1}: " + ", ".join(
                 f"{k}={int(v)}" if k == "skipped_steps" else f"{k}={v:.4g}"
                 for k, v in epoch_stats.items()), flush=True)
+
+
+class AveragedWeights(keras.callbacks.Callback):
+    """Evaluates and/or saves with a `MovingAverage` or `SWA` optimizer's averages.
+
+    At the end of every `every_n_epochs`-th epoch it swaps the averages into the model,
+    evaluates on `validation_data` (adding `averaged_<metric>` to the epoch's logs)
+    and/or saves the model to `filepath` (formatted with `epoch`, 1-based), then puts
+    the training weights back, so training continues unchanged. Under Horovod, save on
+    rank 0 only (`dm.horovod_keras.root_only`), but evaluate on every rank.
+
+    Args:
+      validation_data: what `model.evaluate` takes as `x` (a dataset, or `(x, y)`).
+      filepath: where to save, e.g. `"averaged-{epoch:02d}.keras"`.
+      every_n_epochs: how often (>= 1).
+
+    Raises:
+      ValueError: neither `validation_data` nor `filepath`, or `every_n_epochs` < 1.
+    """
+
+    def __init__(self, validation_data=None, filepath: str | None = None, every_n_epochs: int = 1):
+        super().__init__()
+        if validation_data is None and filepath is None:
+            raise ValueError("`AveragedWeights` needs `validation_data`, `filepath` or both. "
+                             "Received: validation_data=None, filepath=None")
+        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
+            raise ValueError(f"`every_n_epochs` must be an integer >= 1. Received: every_n_epochs={every_n_epochs!r}")
+        self.validation_data = validation_data
+        self.filepath = filepath
+        self.every_n_epochs = every_n_epochs
+
+    def _averaging(self):
+        from dist_minimize.wrappers.averaging import AveragingWrapper
+
+        opt = getattr(self.model, "optimizer", None)
+        found = opt.find(AveragingWrapper) if hasattr(opt, "find") else None
+        if found is None:
+            raise ValueError("`AveragedWeights` needs a model compiled with a `dist_minimize.MovingAverage` or "
+                             f"`dist_minimize.SWA` in its optimizer stack. Received: {type(opt).__name__}")
+        return found
+
+    def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every_n_epochs:
+            return
+        with self._averaging().averaged_weights():
+            if self.validation_data is not None:
+                data = self.validation_data
+                if isinstance(data, tuple):
+                    results = self.model.evaluate(*data, verbose=0, return_dict=True)
+                else:
+                    results = self.model.evaluate(data, verbose=0, return_dict=True)
+                if logs is not None:
+                    logs.update({f"averaged_{k}": float(v) for k, v in results.items()})
+            if self.filepath is not None:
+                self.model.save(self.filepath.format(epoch=epoch + 1))

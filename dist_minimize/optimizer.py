@@ -17,6 +17,7 @@ against its contract, and an error names the stage that broke it.
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Any, Callable, Sequence
 
 import keras
@@ -106,7 +107,7 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
     # -- drivers -----------------------------------------------------------------------
 
     def minimize(self, loss: tf.Tensor | Callable[[], tf.Tensor], variables: Sequence[tf.Variable],
-                 tape: tf.GradientTape | None = None) -> tf.Variable:
+                 tape: tf.GradientTape | None = None, decay_var_list: Sequence | None = None) -> tf.Variable:
         """Runs all six stages: one optimisation step of `loss` over `variables`.
 
         Args:
@@ -114,13 +115,20 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
             computes it (then `tape` is optional).
           variables: the variables to update.
           tape: the `tf.GradientTape` that recorded a tensor `loss`.
+          decay_var_list: with a `DecoupledWeightDecay` in the stack, the variables it
+            decays in this step (instead of its default choice). Inside `tf.function`,
+            the choice made when the function was traced is the one it keeps.
 
         Returns:
           The iterations counter.
 
         Raises:
-          ValueError: a tensor `loss` without `tape`.
+          ValueError: a tensor `loss` without `tape`, or a `decay_var_list` without a
+            `DecoupledWeightDecay` in the stack (or naming a variable not trained).
         """
+        if decay_var_list is not None:
+            with self._decaying_step(decay_var_list):
+                return self.minimize(loss, variables, tape=tape)
         variables = list(variables)
         if not self.built:  # the stages may use the optimizer's state from the first one on
             with keras.name_scope(self.name, caller=self):
@@ -143,7 +151,8 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
             "get_gradients", before, self.get_gradients(value, variables, tape))
         return self.apply_gradients(grads_and_vars)
 
-    def apply_gradients(self, grads_and_vars, aggregate: bool = True) -> tf.Variable:
+    def apply_gradients(self, grads_and_vars, aggregate: bool = True,
+                        decay_var_list: Sequence | None = None) -> tf.Variable:
         """Runs the last four stages on per-replica gradients.
 
         Args:
@@ -151,10 +160,14 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
           aggregate: `False` when the caller has already aggregated the gradients:
             `transform_unaggregated_gradients` and `aggregate_gradients` are skipped,
             `transform_gradients` still runs.
+          decay_var_list: as in `minimize`.
 
         Returns:
           The iterations counter.
         """
+        if decay_var_list is not None:
+            with self._decaying_step(decay_var_list):
+                return self.apply_gradients(grads_and_vars, aggregate=aggregate)
         grads_and_vars = _stages.as_grads_and_vars(grads_and_vars)
         if not grads_and_vars:
             return self.iterations
@@ -166,6 +179,20 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 "transform_unaggregated_gradients", self.transform_unaggregated_gradients, grads_and_vars)
         self.run_update(grads_and_vars, top=self, aggregate=aggregate)
         return self.iterations
+
+    @contextlib.contextmanager
+    def _decaying_step(self, decay_var_list):
+        from dist_minimize.wrappers.weight_decay import DecoupledWeightDecay
+
+        decay = self.find(DecoupledWeightDecay)
+        if decay is None:
+            raise ValueError("`decay_var_list` needs a `dist_minimize.DecoupledWeightDecay` in the optimizer "
+                             f"stack. Received: decay_var_list for {type(self).__name__} without one")
+        decay.choose_for_step(decay_var_list)
+        try:
+            yield
+        finally:
+            decay.choose_for_step_reset()
 
     def apply(self, grads, trainable_variables=None):
         """Keras's `apply(grads, trainable_variables)`: same as `apply_gradients`."""

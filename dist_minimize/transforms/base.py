@@ -111,3 +111,36 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}. Received: {name}={value!r}")
     return value
+
+
+def _check_number(name: str, value, what: str) -> float:
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"`{name}` must be {what}. Received: {name}={value!r}")
+    if isinstance(value, bool) or getattr(value, "dtype", None) == bool:
+        raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"`{name}` must be {what}. Received: {name}={value!r}") from None
+
+
+def check_unit_interval(name: str, value, open_low: bool = False) -> float:
+    """Validates a number in [0, 1] (or (0, 1] with `open_low`), naming the argument."""
+    what = "a number in (0, 1]" if open_low else "a number in [0, 1]"
+    number = _check_number(name, value, what)
+    if not ((0.0 < number) if open_low else (0.0 <= number)) or not number <= 1.0:
+        raise ValueError(f"`{name}` must be {what}. Received: {name}={value!r}")
+    return number
+
+
+def check_nonnegative(name: str, value) -> float:
+    """Validates a finite number >= 0, naming the argument."""
+    number = _check_number(name, value, "a finite number >= 0")
+    if not 0.0 <= number < float("inf"):
+        raise ValueError(f"`{name}` must be a finite number >= 0. Received: {name}={value!r}")
+    return number
+
+
+def check_nonnegative_int(name: str, value) -> int:
+    """Validates an integer >= 0 (bools refused), naming the argument."""
+    return check_positive_int(name, value, minimum=0)

@@ -1,6 +1,11 @@
-"""Wrappers: loss scaling, gradient accumulation."""
+"""Wrappers: loss scaling, gradient accumulation, moving average, SWA, Lookahead, decoupled weight decay."""
 
 from dist_minimize.wrappers.accumulation import GradientAccumulation
+from dist_minimize.wrappers.lookahead import Lookahead
 from dist_minimize.wrappers.loss_scale import LossScaleOptimizer
+from dist_minimize.wrappers.moving_average import MovingAverage
+from dist_minimize.wrappers.swa import SWA, update_batch_norm
+from dist_minimize.wrappers.weight_decay import DecoupledWeightDecay
 
-__all__ = ["GradientAccumulation", "LossScaleOptimizer"]
+__all__ = ["DecoupledWeightDecay", "GradientAccumulation", "Lookahead", "LossScaleOptimizer", "MovingAverage",
+           "SWA", "update_batch_norm"]

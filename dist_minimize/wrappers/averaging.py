@@ -1,0 +1,61 @@
+"""What the two averaging wrappers share: the `average` slots, swapping them in, writing them out."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from dist_minimize.wrapper import OptimizerWrapper, swap_values
+
+
+class AveragingWrapper(OptimizerWrapper):
+    """Base of `MovingAverage` and `SWA`: one replicated `average` slot per variable.
+
+    The averages start as the variables' values at `build` and are updated after each
+    applied update (`on_applied`), from the weights every replica holds alike, so they
+    are identical on every replica and process and cost one synchronisation per update
+    under merge-call strategies. They are optimizer state: checkpointed and saved with
+    the optimizer.
+    """
+
+    once_per_stack = True
+
+    def build_state(self, var_list):
+        """Creates one `average` slot per variable, starting at its value."""
+        for v in var_list:
+            self.add_slot(v, "average", initializer="value")
+
+    def average_of(self, variable):
+        """The average of `variable` (a variable, after `build`)."""
+        return self.slot("average", variable)
+
+    def averaged_weights(self):
+        """A context manager: the averages in the trained variables, the weights back after.
+
+        `with opt.averaged_weights(): model.evaluate(...)` (or `model.save(...)`).
+        Outside the training step (in the cross-replica context under a strategy).
+        """
+        self._check_built("averaged_weights")
+        return swap_values(self.trained_variables, self.slots("average"))
+
+    def assign_average_vars(self, var_list=None):
+        """Writes the averages into `var_list` (default: every trained variable), for good.
+
+        TF Addons' name for it; the usual last step of training before saving the final
+        model. Outside the training step.
+
+        Raises:
+          ValueError: before `build`, or for a variable this optimizer does not train.
+        """
+        self._check_built("assign_average_vars")
+        for v in (self.trained_variables if var_list is None else list(var_list)):
+            try:
+                average = self.slot("average", v)
+            except KeyError:
+                raise ValueError(f"`assign_average_vars`: {getattr(v, 'path', v.name)} is not a variable "
+                                 f"{type(self).__name__} averages. Received: var_list of {len(var_list)}") from None
+            v.assign(tf.convert_to_tensor(average))
+
+    def _check_built(self, what):
+        if not self.built:
+            raise ValueError(f"`{what}` needs the optimizer built (it has no averages yet): train a step, or "
+                             "call `optimizer.build(model.trainable_variables)`.")
