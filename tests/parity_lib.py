@@ -38,6 +38,15 @@ MIRRORED_CASES = ([f"{o}/{m}/always" for o in ("sgd", "adam") for m in ("fit", "
                   + ["adam/fit_integrated/always", "sgd-0.01/fit_integrated/never", "sgd-0.01/fit_integrated/some"])
 
 
+# Weight wrappers (issue 10) as the parity tests build them around an optimizer.
+WEIGHT_WRAPPERS = {
+    "moving_average": lambda dm, o: dm.MovingAverage(o, average_decay=0.5, dynamic_decay=True),
+    "swa": lambda dm, o: dm.SWA(o, start_averaging=1, average_period=2),
+    "lookahead": lambda dm, o: dm.Lookahead(o, sync_period=2, slow_step_size=0.5),
+    "weight_decay": lambda dm, o: dm.DecoupledWeightDecay(o, 0.05, exclude_from_weight_decay=["bias"]),
+}
+
+
 def make_data(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seed: int = 0):
     """x: (steps*global_batch, FEATURES), y: (steps*global_batch, 1), float32.
 
@@ -145,7 +154,7 @@ def clipped_steps(opt) -> int:
 
 def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="always",
           dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
-          aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None):
+          aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None, wrap=None):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "fit_integrated" (the same after
@@ -154,6 +163,7 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     clip: a clip mode of CLIPS ("always", "never", "some"), True ("always") or False
       (no clipper); with use_dm=False, stock Keras `global_clipnorm` at that norm.
     dataset: the input; default: the global batches, split across replicas in order.
+    wrap: a name of WEIGHT_WRAPPERS to wrap the optimizer in.
     loss_denominator: custom loops divide the sum of per-example losses by it (the
       global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
       "mean").
@@ -166,6 +176,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     with strategy.scope():
         model = make_model(keras, seed=model_seed)
         opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated)
+        if wrap is not None:
+            opt = WEIGHT_WRAPPERS[wrap](dm, opt)
     if dataset is None:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     if mode in ("fit", "fit_integrated"):

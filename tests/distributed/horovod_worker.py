@@ -95,6 +95,15 @@ if scenario == "parity":
         w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
         results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                       "calls": counter.take(), "clipped_steps": P.clipped_steps(opt)}
+    # The weight wrappers (issue 10): Adam with the clip firing on some steps.
+    for name in P.WEIGHT_WRAPPERS:
+        for mode in ("fit", "tape"):
+            w, opt, _ = P.train(default, "adam", mode, clip="some", dataset=P.local_dataset(rank, size),
+                                loss_denominator=local, wrap=name)
+            results[f"wrap/{name}/{mode}"] = {"weights": lists(w), "state": [np.array(v).tolist() for v in opt.variables],
+                                              "iterations": int(opt.iterations.numpy())}
+    counter.take()
+
     # Accumulation resumed mid-window from a checkpoint that rank 0 alone wrote (defect:
     # it held rank 0's partial sums only). After 6 of 16 micro-steps (window of 4), rank 0
     # writes the model and optimizer; every rank restores them into a fresh model and

@@ -148,6 +148,22 @@ def test_accumulation_parity_and_one_allreduce_per_update(tmp_root, k):
         assert P.max_abs_diff(ref, arrays(c["weights"])) <= 1e-6
 
 
+@pytest.mark.parametrize("mode", ["fit", "tape"])
+@pytest.mark.parametrize("name", sorted(P.WEIGHT_WRAPPERS))
+def test_weight_wrappers_match_one_device(tmp_root, name, mode):
+    """MovingAverage, SWA, Lookahead, DecoupledWeightDecay under horovodrun -np 2:
+    weights and every state variable (averages, slow weights, counts) as on one device."""
+    ref_w, ref_opt, _ = P.train(DEFAULT, "adam", mode, aggregate="none", clip="some", wrap=name)
+    ref_state = [np.array(v) for v in ref_opt.variables]
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        got = r[f"wrap/{name}/{mode}"]
+        assert got["iterations"] == P.STEPS
+        assert P.max_abs_diff(ref_w, arrays(got["weights"])) <= 1e-6
+        assert len(got["state"]) == len(ref_state)
+        for a, b in zip(got["state"], ref_state):
+            np.testing.assert_allclose(np.array(a), b, rtol=1e-5, atol=1e-6)
+
+
 def test_accumulation_resumes_exactly_from_rank_0_checkpoint(tmp_root):
     """Defect: each process accumulates its own micro-batches, and a checkpoint written by
     rank 0 alone held rank 0's partial sums only. With share_accumulators() before the
