@@ -423,7 +423,7 @@ def test_strategy_aggregator_options_survive_config_and_keras_file(tmp_path):
 
 
 WEIGHT_DECAY_OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "Nadam",
-                           "Lion", "Adafactor"]  # Ftrl moves a variable to 0 on zero gradients
+                           "Lion", "Adafactor", "Lamb"]  # Ftrl moves a variable to 0 on zero gradients
 
 
 @pytest.mark.parametrize("name", WEIGHT_DECAY_OPTIMIZERS)
