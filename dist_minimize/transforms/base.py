@@ -91,16 +91,7 @@ def check_positive_finite(name: str, value) -> float:
     Strings and bools are refused (`float("1.0")` would accept a string); Python and
     NumPy numbers and scalar tensors are accepted.
     """
-    if isinstance(value, (str, bytes)):
-        raise TypeError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
-    if isinstance(value, bool) or getattr(value, "dtype", None) == bool:
-        raise ValueError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"`{name}` must be a positive finite number. Received: {name}={value!r}"
-        ) from None
+    number = _check_number(name, value, "a positive finite number")
     if not number > 0 or number == float("inf"):
         raise ValueError(f"`{name}` must be a positive finite number. Received: {name}={value!r}")
     return number
