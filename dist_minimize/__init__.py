@@ -10,9 +10,10 @@ Public API:
   horovod_keras: Keras 3 + Horovod (broadcast, metric averaging, rank-0 output, sharding).
   cluster: rank/size discovery (horovodrun, mpirun, srun, TF_CONFIG), Horovod from mpi4py.
   launcher: horovodrun / mpirun / multi-worker / mirrored launches.
+  privacy: DP-SGD accounting (`epsilon`, from dp-accounting's RDP accountant).
 """
 
-from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher
+from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher, privacy
 from dist_minimize._compat import MissingDependencyError
 from dist_minimize.fit import integrate
 from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite
@@ -32,6 +33,7 @@ from dist_minimize.wrapper import OptimizerWrapper, swap_values
 from dist_minimize.wrappers import (
     SWA,
     DecoupledWeightDecay,
+    DifferentialPrivacy,
     GradientAccumulation,
     Lookahead,
     LossScaleOptimizer,
@@ -47,6 +49,7 @@ __all__ = [
     "ClipByValue",
     "ConsistencyCheck",
     "DecoupledWeightDecay",
+    "DifferentialPrivacy",
     "GradientAccumulation",
     "Lookahead",
     "MovingAverage",
@@ -68,6 +71,7 @@ __all__ = [
     "horovod_keras",
     "integrate",
     "launcher",
+    "privacy",
     "limit_nonfinite_steps",
     "swap_values",
     "clip_by_global_norm",

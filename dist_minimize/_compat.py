@@ -33,6 +33,17 @@ def import_horovod() -> Any:
         ) from e
 
 
+def import_dp_accounting() -> Any:
+    """Returns Google's `dp_accounting`, or raises `MissingDependencyError` saying how to get it."""
+    try:
+        return importlib.import_module("dp_accounting")
+    except ImportError as e:
+        raise MissingDependencyError(
+            "dist_minimize.privacy.epsilon needs Google's dp-accounting package (`pip install "
+            f"dp-accounting==0.6.0`, or `pip install dist_minimize[privacy]`; import failed: {e}). "
+            f"{SETUP_HINT}") from e
+
+
 def import_mpi4py() -> Any:
     """Returns `mpi4py.MPI`, or raises `MissingDependencyError` saying how to get it."""
     try:
@@ -188,12 +199,16 @@ def compute_loss(model: keras.Model, x: Any, y: Any, y_pred: Any, sample_weight:
 
 def track_loss(model: keras.Model, loss: tf.Tensor, x: Any) -> None:
     """Updates the model's "loss" metric as Keras's train step does (`_loss_tracker`, with
-    the loss unscaled from its per-replica share)."""
+    the loss unscaled from its per-replica share; a vector of per-example losses, which
+    Keras leaves unscaled, is tracked as its mean)."""
     from keras.src import losses as loss_module
 
     first = next(i for i in tf.nest.flatten(x) if i is not None)
-    model._loss_tracker.update_state(loss_module.loss.unscale_loss_for_distribution(loss),
-                                     sample_weight=tf.shape(first)[0])
+    if loss.shape.rank:  # per-example losses (reduction=None, for DifferentialPrivacy): not scaled
+        value = tf.reduce_mean(loss)
+    else:
+        value = loss_module.loss.unscale_loss_for_distribution(loss)
+    model._loss_tracker.update_state(value, sample_weight=tf.shape(first)[0])
 
 
 def build_from_local_batch(model: keras.Model) -> None:

@@ -46,6 +46,17 @@ WEIGHT_WRAPPERS = {
     "weight_decay": lambda dm, o: dm.DecoupledWeightDecay(o, 0.05, exclude_from_weight_decay=["bias"]),
 }
 
+# DifferentialPrivacy with the noise off (noise cannot be compared across runs that draw
+# it alike only by contract): examples' gradient norms range from 0.08 to 650, so a clip
+# of 2.0 leaves some unclipped on every step and clips the rest. The loss is the vector
+# of per-example losses; under fit, a reduction=None loss and dm.integrate.
+DP_CLIP = 2.0
+PRIVACY_WRAPPERS = {
+    "dp": lambda dm, o: dm.DifferentialPrivacy(o, l2_norm_clip=DP_CLIP, noise_multiplier=0.0),
+    "dp_microbatches": lambda dm, o: dm.DifferentialPrivacy(o, l2_norm_clip=DP_CLIP, noise_multiplier=0.0,
+                                                            num_microbatches=2),
+}
+
 
 def make_data(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seed: int = 0):
     """x: (steps*global_batch, FEATURES), y: (steps*global_batch, 1), float32.
@@ -163,7 +174,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     clip: a clip mode of CLIPS ("always", "never", "some"), True ("always") or False
       (no clipper); with use_dm=False, stock Keras `global_clipnorm` at that norm.
     dataset: the input; default: the global batches, split across replicas in order.
-    wrap: a name of WEIGHT_WRAPPERS to wrap the optimizer in.
+    wrap: a name of WEIGHT_WRAPPERS or PRIVACY_WRAPPERS to wrap the optimizer in (the
+      latter train on per-example losses; use mode "fit_integrated" for fit).
     loss_denominator: custom loops divide the sum of per-example losses by it (the
       global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
       "mean").
@@ -176,13 +188,15 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     with strategy.scope():
         model = make_model(keras, seed=model_seed)
         opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated)
+        per_example = wrap in PRIVACY_WRAPPERS
         if wrap is not None:
-            opt = WEIGHT_WRAPPERS[wrap](dm, opt)
+            opt = (PRIVACY_WRAPPERS if per_example else WEIGHT_WRAPPERS)[wrap](dm, opt)
     if dataset is None:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
     if mode in ("fit", "fit_integrated"):
         with strategy.scope():
-            model.compile(loss="mse", optimizer=opt, run_eagerly=eager)
+            loss = keras.losses.MeanSquaredError(reduction=None) if per_example else "mse"
+            model.compile(loss=loss, optimizer=opt, run_eagerly=eager)
         if mode == "fit_integrated":
             dm.integrate(model)
         model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps,
@@ -197,8 +211,10 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     def replica_step(xb, yb):
         def loss_fn():
             pred = model(xb, training=True)
-            per_example = tf.reduce_mean(tf.square(pred - yb), axis=-1)
-            return tf.nn.compute_average_loss(per_example, global_batch_size=loss_denominator)
+            losses = tf.reduce_mean(tf.square(pred - yb), axis=-1)
+            if per_example:
+                return losses
+            return tf.nn.compute_average_loss(losses, global_batch_size=loss_denominator)
 
         if mode == "callable":
             opt.minimize(loss_fn, model.trainable_variables)

@@ -9,6 +9,7 @@ from dist_minimize import distribute
 from dist_minimize.optimizer import StagedOptimizer, all_finite
 from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
 from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrappers.privacy import refuse_privacy_inside
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -71,6 +72,11 @@ class LossScaleOptimizer(OptimizerWrapper):
         self._good_steps = None
 
     once_per_stack = True
+
+    def check_stack(self):
+        """One per stack, and inside a DifferentialPrivacy if there is one."""
+        super().check_stack()
+        refuse_privacy_inside(self)
 
     def build_state(self, var_list):
         """Creates `loss_scale` and `good_steps`."""
