@@ -46,16 +46,66 @@ WEIGHT_WRAPPERS = {
     "weight_decay": lambda dm, o: dm.DecoupledWeightDecay(o, 0.05, exclude_from_weight_decay=["bias"]),
 }
 
-# DifferentialPrivacy with the noise off (noise cannot be compared across runs that draw
-# it alike only by contract): examples' gradient norms range from 0.08 to 650, so a clip
-# of 2.0 leaves some unclipped on every step and clips the rest. The loss is the vector
-# of per-example losses; under fit, a reduction=None loss and dm.integrate.
+# DifferentialPrivacy: examples' gradient norms range from 0.08 to 650, so a clip of 2.0
+# leaves some unclipped on every step and clips the rest. The loss is the vector of
+# per-example losses; under fit, a reduction=None loss and dm.integrate. Microbatches are
+# pairs of consecutive examples whatever the replica count (replicas hold consecutive
+# slices of the global batch), so every replica count sees the same microbatches.
+# "dp_noise" draws noise from a fixed seed: every replica count must draw the same noise
+# (its standard deviation depends on the global microbatch count only).
 DP_CLIP = 2.0
+DP_NOISE = 0.5
 PRIVACY_WRAPPERS = {
     "dp": lambda dm, o: dm.DifferentialPrivacy(o, l2_norm_clip=DP_CLIP, noise_multiplier=0.0),
-    "dp_microbatches": lambda dm, o: dm.DifferentialPrivacy(o, l2_norm_clip=DP_CLIP, noise_multiplier=0.0,
-                                                            num_microbatches=2),
+    "dp_microbatches": lambda dm, o: dm.DifferentialPrivacy(
+        o, l2_norm_clip=DP_CLIP, noise_multiplier=0.0,
+        num_microbatches=GLOBAL_BATCH // (2 * dm.distribute.num_replicas())),
+    "dp_noise": lambda dm, o: dm.DifferentialPrivacy(o, l2_norm_clip=DP_CLIP, noise_multiplier=DP_NOISE,
+                                                     seed=5),
 }
+PROBE_SIZE, PROBE_LR = 20000, 0.5
+
+
+def privacy_noise(strategy, dataset=None, steps: int = 2) -> dict:
+    """DP-SGD's noise as it reaches the weights: a probe variable of PROBE_SIZE elements
+    that the loss does not depend on moves by -PROBE_LR * noise each step. Returns the
+    per-step moves, and whether every replica's copy of the probe is identical."""
+    import dist_minimize as dm
+    import keras
+    import tensorflow as tf
+
+    x, y = make_data(steps)
+    with strategy.scope():
+        model = make_model(keras)
+        probe = tf.Variable(tf.zeros([PROBE_SIZE]))
+        opt = dm.DifferentialPrivacy(dm.Optimizer(keras.optimizers.SGD(PROBE_LR)), l2_norm_clip=DP_CLIP,
+                                     noise_multiplier=DP_NOISE, seed=9)
+        variables = model.trainable_variables + [probe]
+        opt.build(variables)
+    if dataset is None:
+        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    if not isinstance(dataset, tf.distribute.DistributedDataset):
+        dataset = strategy.experimental_distribute_dataset(dataset)
+
+    def replica_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1) + 0.0 * tf.reduce_sum(probe)
+        opt.minimize(loss, variables, tape=tape)
+
+    @tf.function
+    def step(batch):
+        strategy.run(replica_step, args=batch)
+
+    moves, agree = [], True
+    it = iter(dataset)
+    for _ in range(steps):
+        before = np.array(probe)
+        step(next(it))
+        moves.append(np.array(probe) - before)
+        copies = [np.array(c) for c in strategy.experimental_local_results(probe.value)] \
+            if hasattr(probe, "values") else [np.array(probe)]
+        agree = agree and all(np.array_equal(c, copies[0]) for c in copies)
+    return {"moves": moves, "agree": agree, "draws": int(opt.noise_draws.numpy())}
 
 
 def make_data(steps: int = STEPS, global_batch: int = GLOBAL_BATCH, seed: int = 0):

@@ -102,6 +102,20 @@ if scenario == "parity":
                                 loss_denominator=local, wrap=name)
             results[f"wrap/{name}/{mode}"] = {"weights": lists(w), "state": [np.array(v).tolist() for v in opt.variables],
                                               "iterations": int(opt.iterations.numpy())}
+    # DifferentialPrivacy (issue 10): SGD without a clipper; noise off and noise on from a
+    # fixed seed (the same noise as one device); unseeded, rank 0's seed reaches every rank.
+    for name in P.PRIVACY_WRAPPERS:
+        for mode in ("fit_integrated", "tape"):
+            w, opt, _ = P.train(default, "sgd", mode, clip=False, dataset=P.local_dataset(rank, size), wrap=name)
+            results[f"dp/{name}/{mode}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
+                                            "draws": int(opt.noise_draws.numpy())}
+    noise = P.privacy_noise(default, dataset=P.local_dataset(rank, size))
+    results["dp/noise"] = {"std": [float(m.std()) for m in noise["moves"]],
+                           "head": [m[:500].tolist() for m in noise["moves"]]}
+    P.PRIVACY_WRAPPERS["dp_unseeded"] = lambda dm, o: dm.DifferentialPrivacy(o, l2_norm_clip=P.DP_CLIP,
+                                                                             noise_multiplier=P.DP_NOISE)
+    w, opt, _ = P.train(default, "sgd", "tape", clip=False, dataset=P.local_dataset(rank, size), wrap="dp_unseeded")
+    results["dp/unseeded"] = {"weights": lists(w), "seed": str(int(opt.noise_seed.numpy()))}
     counter.take()
 
     # Accumulation resumed mid-window from a checkpoint that rank 0 alone wrote (defect:

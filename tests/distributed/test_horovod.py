@@ -164,6 +164,34 @@ def test_weight_wrappers_match_one_device(tmp_root, name, mode):
             np.testing.assert_allclose(np.array(a), b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["fit_integrated", "tape"])
+@pytest.mark.parametrize("name", sorted(P.PRIVACY_WRAPPERS))
+def test_differential_privacy_matches_one_device(tmp_root, name, mode):
+    """DP-SGD under horovodrun -np 2 (Horovod averages the processes' clipped sums) = one
+    device on the same global batch, noise included when it is drawn from a fixed seed."""
+    ref, _, _ = P.train(DEFAULT, "sgd", mode, aggregate="none", clip=False, wrap=name)
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        got = r[f"dp/{name}/{mode}"]
+        assert got["iterations"] == P.STEPS and got["draws"] == P.STEPS
+        assert P.max_abs_diff(ref, arrays(got["weights"])) <= 1e-6
+
+
+def test_differential_privacy_noise_under_horovod(tmp_root):
+    """The noise has the global-batch standard deviation on each process and is the
+    one-device draw; without a seed, rank 0's random seed is broadcast, so both ranks
+    draw the same noise and keep the same weights."""
+    ref = P.privacy_noise(DEFAULT)
+    expected = P.PROBE_LR * P.DP_NOISE * P.DP_CLIP / P.GLOBAL_BATCH
+    ranks = job("horovod-gloo", 2, "parity", tmp_root)
+    for r in ranks:
+        for std, head, ref_move in zip(r["dp/noise"]["std"], r["dp/noise"]["head"], ref["moves"]):
+            assert abs(std / expected - 1) < 0.03
+            np.testing.assert_allclose(head, ref_move[:500], rtol=0, atol=1e-7)
+    a, b = (r["dp/unseeded"] for r in ranks)
+    assert a["seed"] == b["seed"]
+    assert P.max_abs_diff(arrays(a["weights"]), arrays(b["weights"])) == 0.0
+
+
 def test_accumulation_resumes_exactly_from_rank_0_checkpoint(tmp_root):
     """Defect: each process accumulates its own micro-batches, and a checkpoint written by
     rank 0 alone held rank 0's partial sums only. With share_accumulators() before the

@@ -64,3 +64,30 @@ def test_exactly_one_all_reduce_per_replica_step(n, case):
 def test_keras_global_clipnorm_anchor_does_not_match(n, opt):
     """Stock Keras 3 clips per replica: far from single-device. Fails if Keras fixes it."""
     assert results(n)[f"{opt}/keras_anchor"]["diff"] > 1e-3
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("wrap", sorted(P.PRIVACY_WRAPPERS))
+@pytest.mark.parametrize("mode", ["tape", "fit_integrated"])
+def test_differential_privacy_matches_single_device(n, wrap, mode):
+    """DP-SGD on n replicas = one device on the same global batch: the clipped per-example
+    (or per-pair) gradients summed across replicas and divided by the global count; with
+    noise on, the same noise (drawn once, from the shared seed, at the global scale)."""
+    r = results(n)[f"dp/{wrap}/{mode}"]
+    assert r["iterations"] == P.STEPS and r["draws"] == P.STEPS
+    assert r["copies_agree"]
+    assert r["diff"] <= 1e-6, r
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_differential_privacy_noise_does_not_grow_with_replicas(n):
+    """The noise reaching the weights has sd lr * noise_multiplier * C / global examples on
+    every replica count (noise added per replica before a SUM would be sqrt(n) larger),
+    is the one-device draw exactly, identical on every replica, and fresh every step."""
+    r = results(n)["dp/noise"]
+    expected = P.PROBE_LR * P.DP_NOISE * P.DP_CLIP / P.GLOBAL_BATCH
+    for std, mean in zip(r["std"], r["mean"]):
+        assert abs(std / expected - 1) < 0.03, r  # 20000 draws: the estimate's sd is 0.5%
+        assert abs(mean) < 0.03 * expected
+    assert r["diff"] <= 1e-7 and r["agree"] and r["draws"] == 2
+    assert abs(r["step_corr"]) < 0.03
