@@ -14,6 +14,12 @@ global norm, on one of:
 `--backend auto` (default) picks horovod under horovodrun/mpirun, multiworker when
 TF_CONFIG is set, mirrored otherwise. Prints Keras progress (rank 0) and, per epoch, the
 mean pre-clip global norm and the share of clipped steps; then the test accuracy.
+
+Wrappers (issue 10), outermost first: `--moving-average D` keeps an exponential moving
+average of the weights (the test accuracy is also reported with the averages),
+`--dp-noise-multiplier S` trains with DP-SGD (per-example clipping to `--dp-l2-norm-clip`,
+noise added once to the global sum; prints epsilon for `--dp-delta` at the end),
+`--weight-decay W` decays every kernel (not the biases) before each update.
 """
 
 from __future__ import annotations
@@ -36,11 +42,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
     p.add_argument("--learning-rate", type=float, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moving-average", type=float, default=None, metavar="DECAY",
+                   help="dm.MovingAverage(average_decay=DECAY); evaluate with the averages too")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help="dm.DecoupledWeightDecay(WD), biases excluded")
+    p.add_argument("--dp-noise-multiplier", type=float, default=None, metavar="SIGMA",
+                   help="DP-SGD: dm.DifferentialPrivacy with this noise multiplier (0: clipping only)")
+    p.add_argument("--dp-l2-norm-clip", type=float, default=1.0, help="DP-SGD: per-example clipping norm")
+    p.add_argument("--dp-delta", type=float, default=1e-5, help="DP-SGD: the delta epsilon is reported for")
     args = p.parse_args(argv)
     if args.replicas < 1:
         p.error(f"--replicas must be >= 1. Received: --replicas={args.replicas}")
     if not args.clip_norm > 0:
         p.error(f"--clip-norm must be > 0. Received: --clip-norm={args.clip_norm}")
+    if args.moving_average is not None and not 0.0 <= args.moving_average <= 1.0:
+        p.error(f"--moving-average must be in [0, 1]. Received: --moving-average={args.moving_average}")
+    if args.weight_decay is not None and not args.weight_decay >= 0:
+        p.error(f"--weight-decay must be >= 0. Received: --weight-decay={args.weight_decay}")
+    if args.dp_noise_multiplier is not None and not args.dp_noise_multiplier >= 0:
+        p.error(f"--dp-noise-multiplier must be >= 0. Received: --dp-noise-multiplier={args.dp_noise_multiplier}")
+    if not args.dp_l2_norm_clip > 0:
+        p.error(f"--dp-l2-norm-clip must be > 0. Received: --dp-l2-norm-clip={args.dp_l2_norm_clip}")
+    if not 0 < args.dp_delta < 1:
+        p.error(f"--dp-delta must be in (0, 1). Received: --dp-delta={args.dp_delta}")
     return args
 
 
@@ -91,10 +115,58 @@ def build_model(keras, args):
     lr = args.learning_rate or (1e-2 if args.optimizer == "adam" else 0.2)
     inner = keras.optimizers.Adam(lr) if args.optimizer == "adam" else keras.optimizers.SGD(lr)
     optimizer = dm.Optimizer(inner, transform_gradients=dm.clip_by_global_norm(args.clip_norm))
+    if args.weight_decay is not None:
+        optimizer = dm.DecoupledWeightDecay(optimizer, args.weight_decay, exclude_from_weight_decay=["bias"])
+    if private(args):
+        optimizer = dm.DifferentialPrivacy(optimizer, l2_norm_clip=args.dp_l2_norm_clip,
+                                           noise_multiplier=args.dp_noise_multiplier)
+    if args.moving_average is not None:
+        optimizer = dm.MovingAverage(optimizer, average_decay=args.moving_average)
     return model, optimizer
 
 
 LOSS_ARGS = {"from_logits": True}
+
+
+def private(args) -> bool:
+    return args.dp_noise_multiplier is not None
+
+
+def loss_object(keras, args, reduction="sum_over_batch_size"):
+    """Per-example losses (reduction=None) for DP-SGD, else `reduction`."""
+    return keras.losses.SparseCategoricalCrossentropy(reduction=None if private(args) else reduction, **LOSS_ARGS)
+
+
+def describe_wrappers(args) -> str:
+    parts = []
+    if args.moving_average is not None:
+        parts.append(f"MovingAverage({args.moving_average})")
+    if private(args):
+        parts.append(f"DifferentialPrivacy(l2_norm_clip={args.dp_l2_norm_clip}, "
+                     f"noise_multiplier={args.dp_noise_multiplier})")
+    if args.weight_decay is not None:
+        parts.append(f"DecoupledWeightDecay({args.weight_decay})")
+    return ("; wrappers " + " > ".join(parts)) if parts else ""
+
+
+def report(args, model, optimizer, evaluate, steps: int, train_size: int) -> None:
+    """The extra lines the wrappers call for: accuracy with the averages, epsilon."""
+    import dist_minimize as dm
+
+    if args.moving_average is not None:
+        with optimizer.averaged_weights():
+            accuracy = evaluate()
+        print(f"[train] test accuracy with the moving average {accuracy:.4f}", flush=True)
+    if private(args):
+        if args.dp_noise_multiplier == 0:
+            print("[train] DP-SGD with noise_multiplier 0: per-example clipping only, no privacy "
+                  "guarantee (epsilon = inf)", flush=True)
+        else:
+            q = dm.privacy.sampling_rate(args.global_batch, train_size)
+            eps = dm.privacy.epsilon(args.dp_noise_multiplier, q, steps, args.dp_delta)
+            print(f"[train] DP-SGD: epsilon {eps:.3f} at delta {args.dp_delta:g} (noise multiplier "
+                  f"{args.dp_noise_multiplier}, sampling rate {q:.4g}, {steps} steps; RDP accountant of "
+                  "dp-accounting)", flush=True)
 
 
 def run_fit(args, strategy=None) -> float:
@@ -122,32 +194,38 @@ def run_fit(args, strategy=None) -> float:
         scope = None
         where = f"Horovod, {size} processes (this is rank {rank}), local batch {local_batch}"
     else:
+        # DP-SGD's accounting assumes one batch size: no partial last batch then.
         train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
-            len(x_train), seed=args.seed).batch(args.global_batch)
+            len(x_train), seed=args.seed).batch(args.global_batch, drop_remainder=private(args))
         verbose = 2
         scope = strategy.scope()
         where = f"MirroredStrategy, {strategy.num_replicas_in_sync} replicas"
     if verbose:
         print(f"[train] {where}; global batch {args.global_batch}; "
-              f"clip_by_global_norm({args.clip_norm}) after aggregation", flush=True)
+              f"clip_by_global_norm({args.clip_norm}) after aggregation{describe_wrappers(args)}", flush=True)
     if scope is not None:
         with scope:
             model, optimizer = build_model(keras, args)
-            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(**LOSS_ARGS),
-                          metrics=["accuracy"])
+            model.compile(optimizer=optimizer, loss=loss_object(keras, args), metrics=["accuracy"])
     else:
         model, optimizer = build_model(keras, args)
-        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(**LOSS_ARGS),
-                      metrics=["accuracy"])
+        model.compile(optimizer=optimizer, loss=loss_object(keras, args), metrics=["accuracy"])
     # Every stage under fit, and XLA (Keras's default on GPU machines without a strategy,
     # which Horovod's collectives cannot run in) turned off with a logged reason.
     dm.integrate(model)
     callbacks.append(dm.callbacks.GradientStatsLogger())
     model.fit(train, epochs=args.epochs, verbose=verbose, shuffle=False, callbacks=callbacks)
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.global_batch)
-    _, accuracy = model.evaluate(test, verbose=0)
+
+    def evaluate():
+        return model.evaluate(test, verbose=0)[1]
+
+    accuracy = evaluate()
     if verbose:
         print(f"[train] test accuracy {accuracy:.4f}", flush=True)
+    steps = int(optimizer.iterations.numpy())
+    if verbose:
+        report(args, model, optimizer, evaluate, steps, len(x_train))
     return accuracy
 
 
@@ -179,20 +257,25 @@ def run_multiworker(args) -> float:
     with strategy.scope():
         model, optimizer = build_model(keras, args)
         optimizer.build(model.trainable_variables)
-        loss_obj = keras.losses.SparseCategoricalCrossentropy(reduction="none", **LOSS_ARGS)
-    clip = optimizer.transforms[-1]
+        loss_obj = loss_object(keras, args, reduction="none")
+    clip = optimizer.stack()[-1].transforms[-1]
     if task == 0:
         print(f"[train] MultiWorkerMirroredStrategy, {n} workers; global batch {args.global_batch}; "
-              f"clip_by_global_norm({args.clip_norm}) after aggregation; custom loop", flush=True)
+              f"clip_by_global_norm({args.clip_norm}) after aggregation; custom loop{describe_wrappers(args)}",
+              flush=True)
 
     @tf.function
     def step(batch):
         def replica_step(x, y):
             def loss_fn():
-                return tf.nn.compute_average_loss(loss_obj(y, model(x, training=True)),
-                                                  global_batch_size=args.global_batch)
+                per_example = loss_obj(y, model(x, training=True))
+                if private(args):  # DifferentialPrivacy takes the per-example losses
+                    return per_example
+                return tf.nn.compute_average_loss(per_example, global_batch_size=args.global_batch)
             value = loss_fn()
             optimizer.minimize(loss_fn, model.trainable_variables)
+            if private(args):
+                return tf.reduce_sum(value) / args.global_batch
             return value
 
         return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
@@ -207,10 +290,13 @@ def run_multiworker(args) -> float:
             print(f"Epoch {epoch + 1}/{args.epochs}: loss {np.mean(losses):.4f} - grad_norm "
                   f"{d['norm_sum'] / max(d['steps'], 1):.4g} - clipped_share "
                   f"{d['clipped_steps'] / max(d['steps'], 1):.4g}", flush=True)
-    logits = model(x_test, training=False)
-    accuracy = float(np.mean(np.argmax(logits, axis=-1) == y_test))
+    def evaluate():
+        return float(np.mean(np.argmax(model(x_test, training=False), axis=-1) == y_test))
+
+    accuracy = evaluate()
     if task == 0:
         print(f"[train] test accuracy {accuracy:.4f}", flush=True)
+        report(args, model, optimizer, evaluate, steps * args.epochs, len(x_train))
     return accuracy
 
 
