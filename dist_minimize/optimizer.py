@@ -507,7 +507,42 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 f"Setting `{name}` on a dist_minimize optimizer would change nothing (its Keras "
                 f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[name].format(value, value)}. "
                 f"Received: {name}={value!r} on {type(self).__name__}")
+        if (getattr(self, "_dm_constructed", False) and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name)):
+            rule = self._dm_update_rule()
+            if rule is not None and hasattr(rule, name):
+                # Read-through (`__getattr__`) would make it look set while the rule kept its own.
+                raise TypeError(
+                    f"`{name}` belongs to the wrapped Keras optimizer's update rule "
+                    f"({type(rule).__name__}); setting it here would change nothing. Set it there: "
+                    f"`optimizer.stack()[-1].inner_optimizer.{name} = ...`. Received: {name}={value!r} on "
+                    f"{type(self).__name__}")
         super().__setattr__(name, value)
+
+    def _dm_update_rule(self):
+        """The Keras optimizer at the bottom of the stack (None while constructing), found
+        without attribute look-ups that could reach `__getattr__`."""
+        opt = self
+        while True:
+            state = opt.__dict__
+            if "inner_optimizer" in state:
+                return state["inner_optimizer"]
+            if "wrapped" not in state:
+                return None
+            opt = state["wrapped"]
+
+    def __getattr__(self, name):
+        # Only reached when normal look-up fails: public attributes of the wrapped Keras
+        # optimizer read through (`opt.beta_1`, Muon's `lr_adjust`), as on the Keras
+        # optimizer the user had. Private names never do.
+        if not name.startswith("_"):
+            rule = self._dm_update_rule()
+            if rule is not None:
+                try:
+                    return getattr(rule, name)
+                except AttributeError:
+                    pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # Keras's settings, read on a dist_minimize optimizer: what the stack applies.
     clipnorm = _keras_setting_property("clipnorm")
@@ -533,15 +568,29 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         self._decaying_optimizer().weight_decay = value
 
     def update_step(self, gradient, variable, learning_rate):
-        """Not available: a dist_minimize optimizer updates through its stages.
+        """The wrapped Keras optimizer's `update_step`: its update rule on one variable.
+
+        As in Keras, only the rule: no stage, clip, average or counter runs (Keras's
+        `apply` does that around it, dist_minimize's `apply_gradients`). Build first.
+        """
+        rule = self._dm_update_rule()
+        rule.update_step(gradient, variable, learning_rate)
+
+    def set_weights(self, weights):
+        """Assigns `weights` to `variables` (the whole stack's, in that order).
 
         Raises:
-          NotImplementedError: always, saying what to call instead.
+          ValueError: not built, or a shape differs (naming the variable).
         """
-        raise NotImplementedError(
-            "A dist_minimize optimizer has no per-variable `update_step`: call `apply_gradients` "
-            "or `minimize` (they run the stages; the update rule is the wrapped Keras "
-            f"optimizer's). Received: update_step on {type(self).__name__}")
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built. Call "
+                "`optimizer.build(trainable_variables)` first.")
+        for variable, weight in zip(self.variables, weights):
+            if tuple(variable.shape) != tuple(getattr(weight, "shape", ())):
+                raise ValueError(f"Optimizer variable {variable.path} has shape {tuple(variable.shape)}, not "
+                                 f"compatible with the weight's {tuple(getattr(weight, 'shape', ()))}.")
+            variable.assign(weight)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Exempts variables from the wrapped Keras optimizer's `weight_decay`.
@@ -835,7 +884,20 @@ class Optimizer(StagedOptimizer):
 
     @property
     def variables(self):
-        return _compat.own_variables(self) + self.inner_optimizer.variables
+        """The stack's training state, the Keras update rule's first (as on the Keras
+        optimizer: `variables[0]` is `iterations`). Statistics (`skipped_steps`, the
+        clippers' statistics) are saved and checkpointed but not listed."""
+        statistics = {id(v) for v in self.statistics_variables()}
+        return self.inner_optimizer.variables + [v for v in _compat.own_variables(self) if id(v) not in statistics]
+
+    def statistics_variables(self) -> list:
+        """The variables that only count or measure (`skipped_steps`, the transforms'
+        `statistics_variables()`): saved, checkpointed, not in `variables`."""
+        out = [self._skipped_steps] if self._skipped_steps is not None else []
+        for fn in self.transforms:
+            if hasattr(fn, "statistics_variables"):
+                out += list(fn.statistics_variables())
+        return out
 
     @property
     def iterations(self):

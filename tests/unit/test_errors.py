@@ -201,8 +201,18 @@ def test_keras_settings_on_a_dist_minimize_optimizer_reach_the_rule_or_raise():
         pattern = f"Setting `{name}`.*{re.escape(instead)}.*Received: {name}={re.escape(repr(value))}"
         with pytest.raises(TypeError, match=pattern):
             setattr(opt, name, value)
-    with pytest.raises(NotImplementedError, match="call `apply_gradients` or `minimize`"):
-        opt.update_step(tf.constant([1.0]), v, 0.1)
+    # `update_step` is Keras's: the update rule on one variable, nothing around it
+    # (weight decay is applied by Keras's `apply`, not by `update_step`).
+    before = float(v.numpy()[0])
+    opt.update_step(tf.constant([1.0]), v, 0.1)
+    assert float(v.numpy()[0]) == pytest.approx(before - 0.1)
+    assert int(opt.iterations.numpy()) == 1  # no counter moved
+    # Attributes of the update rule read through, and setting one here is refused.
+    assert opt.momentum == 0.0 and opt.nesterov is False
+    with pytest.raises(TypeError, match=r"`momentum` belongs to the wrapped Keras optimizer's update rule \(SGD\)"):
+        opt.momentum = 0.9
+    with pytest.raises(AttributeError, match="no attribute '_momentums'"):
+        opt._momentums  # private names never read through
 
 
 def test_two_aggregating_backends_are_refused():
