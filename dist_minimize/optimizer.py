@@ -23,21 +23,39 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _stages, aggregation, distribute
+from dist_minimize import _compat, _keras_settings, _stages, aggregation, distribute
 
-# Keras optimizer settings that act per replica, before any aggregation, and what to
-# use instead.
+# Keras optimizer settings that act per replica, before any aggregation: set on a
+# dist_minimize optimizer they would change nothing, so setting one is refused, naming
+# what to use instead. (On the wrapped Keras optimizer they are translated:
+# `_keras_settings`.)
 _PER_REPLICA_SETTINGS = {
     "clipnorm": "transform_gradients=dist_minimize.clip_by_norm({})",
     "clipvalue": "transform_gradients=dist_minimize.clip_by_value({})",
     "global_clipnorm": "transform_gradients=dist_minimize.clip_by_global_norm({})",
-    "gradient_accumulation_steps": "no gradient_accumulation_steps on the inner optimizer ({}); "
-    "Keras accumulates per replica and fails under MirroredStrategy in tf.function",
-    "use_ema": "no use_ema on the inner optimizer ({}); Keras's EMA overwrite fails under "
-    "MirroredStrategy in tf.function",
-    "loss_scale_factor": "no loss_scale_factor on the inner optimizer ({}); scale the loss "
-    "with `transform_loss` and unscale in `transform_unaggregated_gradients`",
+    "gradient_accumulation_steps": "dist_minimize.GradientAccumulation(optimizer, steps={}) around it, or "
+    "gradient_accumulation_steps={} on the Keras optimizer given to dist_minimize.Optimizer",
+    "use_ema": "dist_minimize.MovingAverage(optimizer, average_decay=..., start_step=1) around it, or "
+    "use_ema={} on the Keras optimizer given to dist_minimize.Optimizer",
 }
+
+def _keras_setting_property(setting: str) -> property:
+    def get(self):
+        if not getattr(self, "_dm_constructed", False) or getattr(self, "_dm_keras_build", False):
+            return False if setting == "use_ema" else None
+        return _keras_settings.reading(self, setting)
+
+    def set(self, value):
+        # Keras's base constructor assigns each one (its defaults): nothing to keep.
+        if not getattr(self, "_dm_constructed", False):
+            return
+        if value != get(self):
+            raise TypeError(
+                f"`{setting}` on a dist_minimize optimizer reports the stack (what applies after "
+                f"aggregation: {setting}={get(self)!r}); it cannot be changed by assignment. Build the "
+                f"optimizer with the setting you want. Received: {setting}={value!r} on {type(self).__name__}")
+
+    return property(get, set, doc=f"Keras's `{setting}`, as the stack applies it (read-only).")
 
 
 class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
@@ -227,6 +245,8 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                     "stage), train with a custom loop that calls `optimizer.minimize(loss, variables, "
                     "tape=tape)`, or move the change into `transform_unaggregated_gradients`.")
             opt = getattr(opt, "wrapped", None)
+        if not tf.is_tensor(loss):  # Keras's own accepts a Python number
+            loss = tf.convert_to_tensor(loss, dtype=keras.backend.floatx() if isinstance(loss, (int, float)) else None)
         return self.transform_loss(loss)
 
     @staticmethod
@@ -345,7 +365,14 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         self._build_wrapped(var_list)
         self._dm_state = _BuiltState(var_list)
         self.build_state(var_list)
-        super().build(var_list)
+        # Keras's base `build` creates EMA averages and gradient accumulators when
+        # `use_ema`/`gradient_accumulation_steps` read true; here they report the stack,
+        # whose wrappers hold that state, so they read as Keras's "off" meanwhile.
+        self._dm_keras_build = True
+        try:
+            super().build(var_list)
+        finally:
+            self._dm_keras_build = False
 
     def build_state(self, var_list: list) -> None:
         """Creates this optimizer's own state for `var_list`; called once, by `build`.
@@ -478,9 +505,54 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         if name in _PER_REPLICA_SETTINGS and value and getattr(self, "_dm_constructed", False):
             raise TypeError(
                 f"Setting `{name}` on a dist_minimize optimizer would change nothing (its Keras "
-                f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[name].format(value)}. "
+                f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[name].format(value, value)}. "
                 f"Received: {name}={value!r} on {type(self).__name__}")
+        if (getattr(self, "_dm_constructed", False) and not name.startswith("_") and name not in self.__dict__
+                and not hasattr(type(self), name)):
+            rule = self._dm_update_rule()
+            if rule is not None and hasattr(rule, name):
+                # Read-through (`__getattr__`) would make it look set while the rule kept its own.
+                raise TypeError(
+                    f"`{name}` belongs to the wrapped Keras optimizer's update rule "
+                    f"({type(rule).__name__}); setting it here would change nothing. Set it there: "
+                    f"`optimizer.stack()[-1].inner_optimizer.{name} = ...`. Received: {name}={value!r} on "
+                    f"{type(self).__name__}")
         super().__setattr__(name, value)
+
+    def _dm_update_rule(self):
+        """The Keras optimizer at the bottom of the stack (None while constructing), found
+        without attribute look-ups that could reach `__getattr__`."""
+        opt = self
+        while True:
+            state = opt.__dict__
+            if "inner_optimizer" in state:
+                return state["inner_optimizer"]
+            if "wrapped" not in state:
+                return None
+            opt = state["wrapped"]
+
+    def __getattr__(self, name):
+        # Only reached when normal look-up fails: public attributes of the wrapped Keras
+        # optimizer read through (`opt.beta_1`, Muon's `lr_adjust`), as on the Keras
+        # optimizer the user had. Private names never do.
+        if not name.startswith("_"):
+            rule = self._dm_update_rule()
+            if rule is not None:
+                try:
+                    return getattr(rule, name)
+                except AttributeError:
+                    pass
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # Keras's settings, read on a dist_minimize optimizer: what the stack applies.
+    clipnorm = _keras_setting_property("clipnorm")
+    clipvalue = _keras_setting_property("clipvalue")
+    global_clipnorm = _keras_setting_property("global_clipnorm")
+    use_ema = _keras_setting_property("use_ema")
+    ema_momentum = _keras_setting_property("ema_momentum")
+    ema_overwrite_frequency = _keras_setting_property("ema_overwrite_frequency")
+    gradient_accumulation_steps = _keras_setting_property("gradient_accumulation_steps")
+    loss_scale_factor = _keras_setting_property("loss_scale_factor")
 
     @property
     def weight_decay(self):
@@ -496,15 +568,29 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         self._decaying_optimizer().weight_decay = value
 
     def update_step(self, gradient, variable, learning_rate):
-        """Not available: a dist_minimize optimizer updates through its stages.
+        """The wrapped Keras optimizer's `update_step`: its update rule on one variable.
+
+        As in Keras, only the rule: no stage, clip, average or counter runs (Keras's
+        `apply` does that around it, dist_minimize's `apply_gradients`). Build first.
+        """
+        rule = self._dm_update_rule()
+        rule.update_step(gradient, variable, learning_rate)
+
+    def set_weights(self, weights):
+        """Assigns `weights` to `variables` (the whole stack's, in that order).
 
         Raises:
-          NotImplementedError: always, saying what to call instead.
+          ValueError: not built, or a shape differs (naming the variable).
         """
-        raise NotImplementedError(
-            "A dist_minimize optimizer has no per-variable `update_step`: call `apply_gradients` "
-            "or `minimize` (they run the stages; the update rule is the wrapped Keras "
-            f"optimizer's). Received: update_step on {type(self).__name__}")
+        if not self.built:
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built. Call "
+                "`optimizer.build(trainable_variables)` first.")
+        for variable, weight in zip(self.variables, weights):
+            if tuple(variable.shape) != tuple(getattr(weight, "shape", ())):
+                raise ValueError(f"Optimizer variable {variable.path} has shape {tuple(variable.shape)}, not "
+                                 f"compatible with the weight's {tuple(getattr(weight, 'shape', ()))}.")
+            variable.assign(weight)
 
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Exempts variables from the wrapped Keras optimizer's `weight_decay`.
@@ -590,14 +676,6 @@ def _check_inner(optimizer: Any) -> keras.optimizers.Optimizer:
             "`optimizer` must be a Keras 3 optimizer instance such as "
             f"`keras.optimizers.SGD(0.1)`. Received: optimizer={optimizer!r} of type "
             f"{type(optimizer).__name__}")
-    for setting, instead in _PER_REPLICA_SETTINGS.items():
-        value = getattr(optimizer, setting, None)
-        if value:
-            raise ValueError(
-                f"The inner optimizer sets `{setting}`, which Keras applies on each "
-                "replica before aggregation (wrong under distribution). Use "
-                f"{instead.format(value)}. Received: optimizer="
-                f"{type(optimizer).__name__}({setting}={value!r})")
     return optimizer
 
 
@@ -609,10 +687,38 @@ class Optimizer(StagedOptimizer):
     clipping, accumulation and all-reduce never run, so gradients are aggregated
     exactly once per step, by `aggregate_gradients`.
 
+    Keras settings of the wrapped optimizer, which Keras would apply on each replica
+    before aggregation, become their dist_minimize equivalent, made after aggregation
+    (and the Keras optimizer's own copy is switched off; one INFO line on the
+    "dist_minimize" logger says what became what):
+
+    * `clipnorm=c`, `clipvalue=c`, `global_clipnorm=c`: `clip_by_norm(c)`,
+      `clip_by_value(c)`, `clip_by_global_norm(c)` appended to `transform_gradients`
+      (last, as Keras clips the final gradients); refused next to a dist_minimize
+      clipper in `transform_gradients`.
+    * `use_ema=True` (`ema_momentum=m`, `ema_overwrite_frequency=f`): the result is
+      `MovingAverage(Optimizer(...), average_decay=m, start_step=1,
+      overwrite_frequency=f, assign_on_finalize=True)`: Keras's rule (the average is
+      the weights after the first update, then moves with momentum m; every f-th
+      update the weights are overwritten with it; `fit` ends with the averages in the
+      weights).
+    * `gradient_accumulation_steps=K`: the result is
+      `GradientAccumulation(Optimizer(...), steps=K)`.
+    * `loss_scale_factor=s`: the result is
+      `LossScaleOptimizer(Optimizer(...), initial_scale=s, dynamic=False)` (a
+      non-finite step is skipped, where Keras would apply it).
+    * `use_ema` with `gradient_accumulation_steps`: refused (Keras moves the average
+      on every micro-step; build the stack you mean explicitly).
+
+    With a wrapper setting, `Optimizer(...)` returns the wrapper (outermost first:
+    `LossScaleOptimizer(GradientAccumulation|MovingAverage(Optimizer(...)))`), so
+    `isinstance(result, Optimizer)` is then False; `result.stack()[-1]` is the
+    `Optimizer`. Read on any dist_minimize optimizer, `clipnorm`, `use_ema`,
+    `gradient_accumulation_steps`, ... report what the stack applies.
+
     Args:
-      optimizer: a Keras 3 optimizer (or its name/config) without `clipnorm`,
-        `clipvalue`, `global_clipnorm`, `gradient_accumulation_steps`, `use_ema` or
-        `loss_scale_factor`, which Keras would apply per replica.
+      optimizer: a Keras 3 optimizer (or its name/config); its name is this
+        optimizer's default name.
       transform_loss: a callable `loss -> loss`, or a sequence applied in order.
       transform_unaggregated_gradients: a callable `grads_and_vars -> grads_and_vars`,
         or a sequence applied in order, run on each replica before aggregation.
@@ -622,12 +728,12 @@ class Optimizer(StagedOptimizer):
         aggregated gradients; e.g. `dist_minimize.clip_by_global_norm(1.0)`.
       skip_nonfinite: skip (on every replica) steps whose final gradients are not
         finite, instead of writing inf/NaN into the weights.
-      name: the optimizer's name.
+      name: the optimizer's name (default: the Keras optimizer's).
 
     Raises:
       TypeError: `optimizer` is not a Keras optimizer, or a transform is not callable.
-      ValueError: `optimizer` has a per-replica setting, an unknown backend name, or
-        an unknown keyword argument.
+      ValueError: a Keras setting without an equivalent (above), an unknown backend
+        name, or an unknown keyword argument.
 
     Example:
       >>> with strategy.scope():
@@ -635,6 +741,24 @@ class Optimizer(StagedOptimizer):
       ...         keras.optimizers.Adam(1e-3),
       ...         transform_gradients=dist_minimize.clip_by_global_norm(1.0)))
     """
+
+    def __new__(cls, *args, **kwargs):
+        # A Keras setting that becomes a wrapper (use_ema, gradient_accumulation_steps,
+        # loss_scale_factor): construct this optimizer, then return it wrapped. Python
+        # does not call `__init__` again on a returned object of another class.
+        self = super().__new__(cls)
+        args = list(args)
+        given = args[0] if args else kwargs.get("optimizer")
+        if not _keras_settings.needs_wrappers(given):
+            return self
+        inner = _check_inner(given)
+        if args:
+            args[0] = inner
+        else:
+            kwargs["optimizer"] = inner
+        self.__init__(*args, **kwargs)
+        wrappers, self._dm_wrappers = self._dm_wrappers, ()
+        return _keras_settings.wrap(self, wrappers)
 
     def __init__(
         self,
@@ -671,13 +795,17 @@ class Optimizer(StagedOptimizer):
         gradient_fns = _stages.as_callables(transform_gradients, "transform_gradients")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"`skip_nonfinite` must be a bool. Received: skip_nonfinite={skip_nonfinite!r}")
-        super().__init__(learning_rate=_delegated_learning_rate, name=name)
+        translation = _keras_settings.translate(inner, gradient_fns)
+        _keras_settings.disable(inner, translation)
+        super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)
         _compat.disable_keras_all_reduce(inner)
         self.inner_optimizer = inner
         self._loss_fns = tuple(loss_fns)
         self._unaggregated_fns = tuple(unaggregated_fns)
         self._aggregators = tuple(aggregators)
-        self._gradient_fns = tuple(gradient_fns)
+        self._gradient_fns = tuple(gradient_fns) + tuple(translation.clippers)
+        self._dm_wrappers = tuple(translation.wrappers)
+        translation.log(inner)
         self._skip_nonfinite = skip_nonfinite
         self._skipped_steps = None
         self._dm_constructed = True
@@ -756,7 +884,20 @@ class Optimizer(StagedOptimizer):
 
     @property
     def variables(self):
-        return _compat.own_variables(self) + self.inner_optimizer.variables
+        """The stack's training state, the Keras update rule's first (as on the Keras
+        optimizer: `variables[0]` is `iterations`). Statistics (`skipped_steps`, the
+        clippers' statistics) are saved and checkpointed but not listed."""
+        statistics = {id(v) for v in self.statistics_variables()}
+        return self.inner_optimizer.variables + [v for v in _compat.own_variables(self) if id(v) not in statistics]
+
+    def statistics_variables(self) -> list:
+        """The variables that only count or measure (`skipped_steps`, the transforms'
+        `statistics_variables()`): saved, checkpointed, not in `variables`."""
+        out = [self._skipped_steps] if self._skipped_steps is not None else []
+        for fn in self.transforms:
+            if hasattr(fn, "statistics_variables"):
+                out += list(fn.statistics_variables())
+        return out
 
     @property
     def iterations(self):

@@ -137,7 +137,8 @@ class OptimizerWrapper(StagedOptimizer):
 
     @property
     def variables(self):
-        return _compat.own_variables(self) + self.wrapped.variables
+        """The wrapped optimizer's `variables`, then this wrapper's state."""
+        return self.wrapped.variables + _compat.own_variables(self)
 
     @property
     def iterations(self):

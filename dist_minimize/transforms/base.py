@@ -40,6 +40,11 @@ class GradientTransform(abc.ABC):
         """Values for logging (tensors or variables). Default: none."""
         return {}
 
+    def statistics_variables(self) -> list:
+        """The variables of this transform that only measure (kept out of the optimizer's
+        `variables`, still saved and checkpointed). Default: none."""
+        return []
+
     def get_config(self) -> dict:
         """The configuration `from_config` rebuilds the transform from. Default: none."""
         return {}

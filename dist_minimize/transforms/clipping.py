@@ -77,6 +77,10 @@ class ClipByGlobalNorm(GradientTransform):
         self.clip_norm = check_positive_finite("clip_norm", clip_norm)
         self._state = None
 
+    def statistics_variables(self):
+        """The statistics vector (once built)."""
+        return [self._state] if self._state is not None else []
+
     def build(self, optimizer, variables):
         """Creates the statistics vector (mirrored, checkpointed with the optimizer)."""
         if self._state is not None:

@@ -97,18 +97,20 @@ CASES = [
     ("inner is Keras LossScaleOptimizer",
      lambda: dm.Optimizer(keras.optimizers.LossScaleOptimizer(sgd())),
      TypeError, ["LossScaleOptimizer"]),
-    ("inner with clipnorm", lambda: dm.Optimizer(sgd(clipnorm=1.0)),
-     ValueError, ["`clipnorm`", "clipnorm=1.0", "clip_by_norm(1.0)"]),
-    ("inner with global_clipnorm", lambda: dm.Optimizer(sgd(global_clipnorm=2.0)),
-     ValueError, ["`global_clipnorm`", "global_clipnorm=2.0", "clip_by_global_norm(2.0)"]),
-    ("inner with clipvalue", lambda: dm.Optimizer(sgd(clipvalue=0.5)),
-     ValueError, ["`clipvalue`", "clipvalue=0.5"]),
-    ("inner with gradient_accumulation_steps",
-     lambda: dm.Optimizer(sgd(gradient_accumulation_steps=4)),
-     ValueError, ["`gradient_accumulation_steps`", "gradient_accumulation_steps=4"]),
-    ("inner with use_ema", lambda: dm.Optimizer(sgd(use_ema=True)), ValueError, ["use_ema=True"]),
-    ("inner with loss_scale_factor", lambda: dm.Optimizer(sgd(loss_scale_factor=128.0)),
-     ValueError, ["loss_scale_factor=128.0"]),
+    # Keras settings on the inner optimizer are translated (tests/unit/test_keras_dropin.py);
+    # what has no equivalent is refused.
+    ("inner clipnorm next to a dist_minimize clipper",
+     lambda: dm.Optimizer(sgd(clipnorm=1.0), transform_gradients=dm.clip_by_global_norm(2.0)),
+     ValueError, ["`clipnorm=1.0`", "ClipByGlobalNorm", "Keep one", "optimizer=SGD(clipnorm=1.0)"]),
+    ("inner use_ema with gradient_accumulation_steps",
+     lambda: dm.Optimizer(sgd(use_ema=True, gradient_accumulation_steps=4)),
+     ValueError, ["`use_ema` and `gradient_accumulation_steps`", "every micro-step",
+                  "GradientAccumulation(dist_minimize.MovingAverage(", "gradient_accumulation_steps=4"]),
+    ("inner gradient_accumulation_steps not an integer",
+     lambda: dm.Optimizer(sgd(gradient_accumulation_steps=2.5)),
+     ValueError, ["`gradient_accumulation_steps` must be an integer", "gradient_accumulation_steps=2.5"]),
+    ("inner loss_scale_factor not positive", lambda: dm.Optimizer(sgd(loss_scale_factor=-1.0)),
+     ValueError, ["`loss_scale_factor`", "loss_scale_factor=-1.0"]),
     ("Keras clipping argument on Optimizer", lambda: dm.Optimizer(sgd(), clipnorm=1.0),
      ValueError, ["['clipnorm']", "clipnorm"]),
     ("skip_nonfinite not a bool", lambda: dm.Optimizer(sgd(), skip_nonfinite="yes"),
@@ -193,13 +195,24 @@ def test_keras_settings_on_a_dist_minimize_optimizer_reach_the_rule_or_raise():
     opt.apply_gradients([(tf.constant([0.0]), v)])
     assert float(v.numpy()[0]) == pytest.approx(2.0 * (1 - 0.5 * 0.1))  # decayed with the new value
     for name, value, instead in [("clipnorm", 1.0, "clip_by_norm(1.0)"), ("global_clipnorm", 2.0, "clip_by_global_norm(2.0)"),
-                                 ("clipvalue", 0.5, "clip_by_value(0.5)"), ("use_ema", True, "no use_ema"),
-                                 ("gradient_accumulation_steps", 4, "no gradient_accumulation_steps")]:
+                                 ("clipvalue", 0.5, "clip_by_value(0.5)"),
+                                 ("use_ema", True, "dist_minimize.MovingAverage(optimizer"),
+                                 ("gradient_accumulation_steps", 4, "dist_minimize.GradientAccumulation(optimizer, steps=4)")]:
         pattern = f"Setting `{name}`.*{re.escape(instead)}.*Received: {name}={re.escape(repr(value))}"
         with pytest.raises(TypeError, match=pattern):
             setattr(opt, name, value)
-    with pytest.raises(NotImplementedError, match="call `apply_gradients` or `minimize`"):
-        opt.update_step(tf.constant([1.0]), v, 0.1)
+    # `update_step` is Keras's: the update rule on one variable, nothing around it
+    # (weight decay is applied by Keras's `apply`, not by `update_step`).
+    before = float(v.numpy()[0])
+    opt.update_step(tf.constant([1.0]), v, 0.1)
+    assert float(v.numpy()[0]) == pytest.approx(before - 0.1)
+    assert int(opt.iterations.numpy()) == 1  # no counter moved
+    # Attributes of the update rule read through, and setting one here is refused.
+    assert opt.momentum == 0.0 and opt.nesterov is False
+    with pytest.raises(TypeError, match=r"`momentum` belongs to the wrapped Keras optimizer's update rule \(SGD\)"):
+        opt.momentum = 0.9
+    with pytest.raises(AttributeError, match="no attribute '_momentums'"):
+        opt._momentums  # private names never read through
 
 
 def test_two_aggregating_backends_are_refused():

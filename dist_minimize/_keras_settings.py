@@ -1,0 +1,220 @@
+"""Keras optimizer settings on a wrapped Keras optimizer, translated into dist_minimize.
+
+Keras 3 applies `clipnorm`, `clipvalue`, `global_clipnorm`, `use_ema`,
+`gradient_accumulation_steps` and `loss_scale_factor` inside the Keras optimizer's
+`apply`, on each replica, before any aggregation. `dist_minimize.Optimizer` turns
+each one into the dist_minimize feature with the same single-device rule, made after
+aggregation, and switches the Keras optimizer's own copy off (it then provides only its
+update rule):
+
+==============================  =================================================
+Keras setting                   dist_minimize equivalent
+==============================  =================================================
+`clipnorm=c`                    `transform_gradients += clip_by_norm(c)`
+`clipvalue=c`                   `transform_gradients += clip_by_value(c)`
+`global_clipnorm=c`             `transform_gradients += clip_by_global_norm(c)`
+`use_ema=True`, `ema_momentum`, `MovingAverage(average_decay=ema_momentum,
+`ema_overwrite_frequency`       start_step=1, overwrite_frequency=...,
+                                assign_on_finalize=True)` around the optimizer
+`gradient_accumulation_steps`   `GradientAccumulation(steps=...)` around it
+`loss_scale_factor=s`           `LossScaleOptimizer(initial_scale=s,
+                                dynamic=False)` around it
+==============================  =================================================
+
+The clipper goes LAST in `transform_gradients`: Keras clips the final gradients right
+before its update rule (after unscaling), so it runs after the user's own transforms.
+A Keras clipping setting together with a dist_minimize clipper in
+`transform_gradients` is refused (which applies first would be a guess); so is
+`use_ema` with `gradient_accumulation_steps`, whose Keras rule (the average moves on
+every micro-step, toward weights that change every K-th) `MovingAverage` does not
+have.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import keras
+
+logger = logging.getLogger("dist_minimize")
+
+CLIP_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm")
+WRAPPER_SETTINGS = ("use_ema", "gradient_accumulation_steps", "loss_scale_factor")
+
+
+def _clipper_classes():
+    from dist_minimize.transforms import ClipByGlobalNorm, ClipByNorm, ClipByValue
+
+    return {"clipnorm": ClipByNorm, "clipvalue": ClipByValue, "global_clipnorm": ClipByGlobalNorm}
+
+
+def _setting(optimizer: Any, name: str) -> Any:
+    if isinstance(optimizer, dict):
+        return (optimizer.get("config") or {}).get(name)
+    return getattr(optimizer, name, None)
+
+
+def needs_wrappers(optimizer: Any) -> bool:
+    """Whether a Keras optimizer (or its config dict) has a setting that becomes a wrapper."""
+    if not isinstance(optimizer, (dict, keras.optimizers.Optimizer)):
+        return False
+    return any(_setting(optimizer, name) for name in WRAPPER_SETTINGS)
+
+
+class Translation:
+    """What `translate` decided for one Keras optimizer: clippers to append, wrappers
+    to build around the `Optimizer` (innermost first), and the log line."""
+
+    def __init__(self):
+        self.clippers: list = []
+        self.wrappers: list = []  # (wrapper class, keyword arguments), innermost first
+        self.parts: list = []
+        self.disable: dict = {}  # attribute of the Keras optimizer -> the value that turns it off
+
+    def log(self, optimizer: keras.optimizers.Optimizer) -> None:
+        if self.parts:
+            logger.info("dist_minimize.Optimizer(%s %r): %s.", type(optimizer).__name__, optimizer.name,
+                        "; ".join(self.parts))
+
+
+def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> Translation:
+    """Decides the dist_minimize equivalent of every setting of `optimizer`; changes nothing.
+
+    Raises:
+      ValueError: a Keras clipping setting next to a dist_minimize clipper in
+        `transform_gradients`, `use_ema` with `gradient_accumulation_steps`, or a
+        setting whose value the equivalent refuses (naming the Keras setting).
+    """
+    from dist_minimize.transforms.base import check_positive_finite, check_positive_int, check_unit_interval
+    from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer, MovingAverage
+
+    t = Translation()
+    name = type(optimizer).__name__
+    clippers = _clipper_classes()
+    for setting in CLIP_SETTINGS:
+        value = getattr(optimizer, setting, None)
+        if value is None:
+            continue
+        t.disable[setting] = None
+        if not value or value <= 0:
+            t.parts.append(f"{setting}={value!r} -> nothing (Keras ignores a value <= 0)")
+            continue
+        given = [fn for fn in gradient_fns if isinstance(fn, tuple(clippers.values()))]
+        if given:
+            raise ValueError(
+                f"The inner optimizer sets `{setting}={value!r}` and `transform_gradients` already holds "
+                f"{', '.join(type(fn).__name__ for fn in given)}: both would clip, and which first is a guess. "
+                f"Keep one: remove `{setting}` from the Keras optimizer, or the clipper from "
+                f"`transform_gradients`. Received: optimizer={name}({setting}={value!r})")
+        t.clippers.append(_make(clippers[setting], value, setting, name))
+        t.parts.append(f"{setting}={value!r} -> transform_gradients += dist_minimize."
+                       f"{_factory_name(setting)}({value!r}) (after aggregation, last)")
+
+    ema = bool(getattr(optimizer, "use_ema", False))
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    scale = getattr(optimizer, "loss_scale_factor", None)
+    if ema and steps:
+        raise ValueError(
+            "The inner optimizer sets both `use_ema` and `gradient_accumulation_steps`: Keras then moves the "
+            "average on every micro-step, toward weights that change every K-th, a rule "
+            "`dist_minimize.MovingAverage` (one move per applied update) does not have. Build the stack you "
+            "mean yourself, e.g. `dist_minimize.GradientAccumulation(dist_minimize.MovingAverage("
+            "dist_minimize.Optimizer(keras_optimizer), average_decay=m, start_step=1), steps=K)`. Received: "
+            f"optimizer={name}(use_ema=True, gradient_accumulation_steps={steps!r})")
+    if ema:
+        momentum = optimizer.ema_momentum
+        frequency = optimizer.ema_overwrite_frequency or None
+        kwargs = dict(average_decay=momentum, start_step=1, overwrite_frequency=frequency,
+                      assign_on_finalize=True)
+        check_unit_interval("ema_momentum", momentum)
+        if frequency is not None:
+            check_positive_int("ema_overwrite_frequency", frequency)
+        t.wrappers.append((MovingAverage, kwargs))
+        t.disable.update(use_ema=False, ema_overwrite_frequency=None)
+        t.parts.append(f"use_ema=True, ema_momentum={momentum!r}, ema_overwrite_frequency={frequency!r} -> "
+                       f"dist_minimize.MovingAverage(average_decay={momentum!r}, start_step=1, "
+                       f"overwrite_frequency={frequency!r}, assign_on_finalize=True) around it")
+    if steps:
+        kwargs = dict(steps=steps)
+        check_positive_int("gradient_accumulation_steps", steps)
+        t.wrappers.append((GradientAccumulation, kwargs))
+        t.disable["gradient_accumulation_steps"] = None
+        t.parts.append(f"gradient_accumulation_steps={steps!r} -> dist_minimize.GradientAccumulation("
+                       f"steps={steps!r}) around it")
+    if scale is not None:
+        kwargs = dict(initial_scale=scale, dynamic=False)
+        check_positive_finite("loss_scale_factor", scale)
+        t.wrappers.append((LossScaleOptimizer, kwargs))
+        t.disable["loss_scale_factor"] = None
+        t.parts.append(f"loss_scale_factor={scale!r} -> dist_minimize.LossScaleOptimizer(initial_scale={scale!r}, "
+                       "dynamic=False) around it (a non-finite step is skipped, not applied)")
+    return t
+
+
+def disable(optimizer: keras.optimizers.Optimizer, translation: Translation) -> None:
+    """Switches off the Keras optimizer's own copy of every translated setting."""
+    if translation.disable and getattr(optimizer, "built", False) and (
+            "use_ema" in translation.disable or "gradient_accumulation_steps" in translation.disable):
+        raise ValueError(
+            "The inner optimizer is already built with `use_ema` or `gradient_accumulation_steps`: its "
+            "averages or accumulators exist and would be left unused. Give dist_minimize.Optimizer the Keras "
+            f"optimizer before it is built. Received: a built {type(optimizer).__name__}")
+    for attribute, value in translation.disable.items():
+        setattr(optimizer, attribute, value)
+
+
+def wrap(core, wrappers: Sequence) -> Any:
+    """Builds the wrappers around `core`, innermost first."""
+    stack = core
+    for cls, kwargs in wrappers:
+        stack = cls(stack, **kwargs)
+    return stack
+
+
+def _make(cls, value, setting: str, optimizer_name: str):
+    try:
+        return cls(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"The inner optimizer's `{setting}` has no dist_minimize equivalent: {e} "
+                         f"Received: optimizer={optimizer_name}({setting}={value!r})") from None
+
+
+def _factory_name(setting: str) -> str:
+    return {"clipnorm": "clip_by_norm", "clipvalue": "clip_by_value", "global_clipnorm": "clip_by_global_norm"}[setting]
+
+
+# -- reading the settings on a dist_minimize optimizer -----------------------------------
+
+
+def reading(optimizer, setting: str) -> Any:
+    """What `setting` means for a dist_minimize stack (the Keras attribute, read on it):
+    the clip of the stack's `transform_gradients`, the MovingAverage's decay, the
+    accumulation's steps, the fixed loss scale; Keras's default where there is none."""
+    from dist_minimize.optimizer import Optimizer
+    from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer, MovingAverage
+
+    stack = optimizer.stack()
+    if setting in CLIP_SETTINGS:
+        core = stack[-1]
+        if not isinstance(core, Optimizer) or not getattr(core, "_dm_constructed", False):
+            return None
+        cls = _clipper_classes()[setting]
+        found = [fn for fn in core._gradient_fns if isinstance(fn, cls)]
+        if not found:
+            return None
+        return found[-1].clip_value if setting == "clipvalue" else found[-1].clip_norm
+    if setting in ("use_ema", "ema_momentum", "ema_overwrite_frequency"):
+        average = optimizer.find(MovingAverage)
+        if setting == "use_ema":
+            return average is not None
+        if average is None:
+            return 0.99 if setting == "ema_momentum" else None
+        return average.average_decay if setting == "ema_momentum" else average.overwrite_frequency
+    if setting == "gradient_accumulation_steps":
+        accumulation = optimizer.find(GradientAccumulation)
+        return accumulation.steps if accumulation is not None else None
+    if setting == "loss_scale_factor":
+        scaling = optimizer.find(LossScaleOptimizer)
+        return scaling.initial_scale if scaling is not None and not scaling.dynamic else None
+    raise KeyError(setting)
