@@ -51,3 +51,36 @@ def test_exit_worker_orders_the_exit_when_a_worker_is_late(tmp_path):
     assert text.count("sum 2.0") == 2, text[-3000:]
     for alarming in ("Additional GRPC error", "coordination service", "Heartbeat", "UNAVAILABLE"):
         assert alarming not in text, text[-5000:]
+
+
+WRAPPER_FLAGS = ["--epochs", "2", "--moving-average", "0.9", "--weight-decay", "0.0001",
+                 "--dp-noise-multiplier", "1.1", "--dp-l2-norm-clip", "1.0"]
+
+
+def check_wrapper_output(text: str) -> None:
+    from dist_minimize import privacy
+
+    assert "wrappers MovingAverage(0.9) > DifferentialPrivacy(l2_norm_clip=1.0, noise_multiplier=1.1) > " \
+           "DecoupledWeightDecay(0.0001)" in text, text[-3000:]
+    accuracy = float(text.split("[train] test accuracy ")[1].split()[0])
+    averaged = float(text.split("[train] test accuracy with the moving average ")[1].split()[0])
+    assert accuracy > 0.2 and averaged > 0.2, text[-3000:]  # DP-SGD, 2 epochs: far above chance (0.1)
+    # 1437 training digits, global batch 64: 22 full batches per epoch, 44 steps.
+    eps = privacy.epsilon(1.1, 64 / 1437, 44, 1e-5)
+    assert f"[train] DP-SGD: epsilon {eps:.3f} at delta 1e-05" in text and "44 steps" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("launcher_name", ["mirrored", "horovod-gloo", "multiworker"])
+def test_main_job_with_every_wrapper_flag(tmp_path, launcher_name):
+    """The main job with a moving average, DP-SGD and decoupled weight decay: trains, reports
+    the accuracy with the averages and epsilon from dp-accounting for the steps it took."""
+    if launcher_name == "horovod-gloo":
+        pytest.importorskip("horovod.tensorflow")
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        rc = launcher.launch(launcher_name, 2, [os.path.join(proc.ROOT, "launch", "train.py"), *WRAPPER_FLAGS],
+                             timeout=proc.JOB_TIMEOUT, python=sys.executable, out=f, child_output=f)
+    text = log.read_text()
+    assert rc == 0, text[-5000:]
+    check_wrapper_output(text)
+    assert "Traceback" not in text, text[-5000:]
