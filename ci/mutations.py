@@ -33,6 +33,8 @@ MULTIWORKER = "tests/distributed/test_multiworker.py"
 HOROVOD = "tests/distributed/test_horovod.py"
 PROCESSES = "tests/distributed/test_processes.py"
 HOROVOD_PARITY = f"{HOROVOD}::test_parity_with_single_device"
+DP_NOISE = f"{MIRRORED}::test_differential_privacy_noise_does_not_grow_with_replicas"
+DP_NOISE_HOROVOD = f"{HOROVOD}::test_differential_privacy_noise_under_horovod"
 
 
 @dataclass
@@ -105,6 +107,35 @@ MUTATIONS = [
              '            if aggregate:\n'
              '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
              [MIRRORED, MULTIWORKER, HOROVOD_PARITY]),
+    Mutation("dp-noise-before-aggregation", "DifferentialPrivacy adds its noise on each replica before aggregation",
+             "dist_minimize/wrappers/privacy.py",
+             ('    def transform_gradients(self, grads_and_vars):\n        """Adds the noise, once,',
+              "        return super().transform_gradients(grads_and_vars)\n\n    def _add_noise"),
+             ('    def transform_unaggregated_gradients(self, grads_and_vars):\n        """Adds the noise, once,',
+              "        return super().transform_unaggregated_gradients(grads_and_vars)\n\n    def _add_noise"),
+             [DP_NOISE, DP_NOISE_HOROVOD]),
+    Mutation("dp-noise-local-count", "the noise is divided by the local, not the global, number of microbatches",
+             "dist_minimize/wrappers/privacy.py",
+             "        microbatches = tf.cast(count, tf.float32) * float(distribute.num_replicas())\n",
+             "        microbatches = tf.cast(count, tf.float32)\n",
+             [DP_NOISE, DP_NOISE_HOROVOD]),
+    Mutation("dp-gradient-local-count", "the clipped sum is divided by the local, not the global, number of microbatches",
+             "dist_minimize/wrappers/privacy.py",
+             "        divisor = tf.cast(self._step.microbatches, tf.float32) * float(distribute.strategy_replicas())\n",
+             "        divisor = tf.cast(self._step.microbatches, tf.float32)\n",
+             [f"{MIRRORED}::test_differential_privacy_matches_single_device",
+              f"{HOROVOD}::test_differential_privacy_matches_one_device"]),
+    Mutation("dp-noise-per-replica-seed", "each replica draws its own noise (the replica id folded into the seed)",
+             "dist_minimize/wrappers/privacy.py",
+             "seed=tf.random.experimental.stateless_fold_in(seed, i),",
+             "seed=tf.random.experimental.stateless_fold_in(seed, i + 1000 * "
+             "tf.distribute.get_replica_context().replica_id_in_sync_group),",
+             [DP_NOISE]),
+    Mutation("dp-draws-not-advanced", "the noise draw counter is not advanced (the same noise every step)",
+             "dist_minimize/wrappers/privacy.py",
+             "        distribute.assign_replicated(self._noise_draws, tf.convert_to_tensor(self._noise_draws) + 1)\n",
+             "",
+             ["tests/unit/test_privacy.py", DP_NOISE]),
     Mutation("exit-worker-noop", "cluster.exit_worker returns at once (no barrier, no ordered exit)",
              "dist_minimize/cluster.py",
              "    info = _from_tf_config(os.environ)\n    if info is not None and info.size > 1:\n",

@@ -45,6 +45,10 @@ WEIGHT_WRAPPERS = {
     "lookahead": lambda dm, o: dm.Lookahead(o, sync_period=2, slow_step_size=0.5),
     "weight_decay": lambda dm, o: dm.DecoupledWeightDecay(o, 0.05, exclude_from_weight_decay=["bias"]),
 }
+# Every wrapper at once, in the documented order (2 micro-steps per update).
+WEIGHT_STACK = lambda dm, o: dm.LossScaleOptimizer(dm.GradientAccumulation(dm.MovingAverage(dm.SWA(  # noqa: E731
+    dm.Lookahead(dm.DecoupledWeightDecay(o, 0.05), sync_period=1), average_period=1), 0.5), steps=2),
+    initial_scale=8.0)
 
 # DifferentialPrivacy: examples' gradient norms range from 0.08 to 650, so a clip of 2.0
 # leaves some unclipped on every step and clips the rest. The loss is the vector of
@@ -225,7 +229,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
       (no clipper); with use_dm=False, stock Keras `global_clipnorm` at that norm.
     dataset: the input; default: the global batches, split across replicas in order.
     wrap: a name of WEIGHT_WRAPPERS or PRIVACY_WRAPPERS to wrap the optimizer in (the
-      latter train on per-example losses; use mode "fit_integrated" for fit).
+      latter train on per-example losses; use mode "fit_integrated" for fit), or a
+      function (dm, optimizer) -> wrapped optimizer.
     loss_denominator: custom loops divide the sum of per-example losses by it (the
       global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
       "mean").
@@ -239,7 +244,9 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
         model = make_model(keras, seed=model_seed)
         opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated)
         per_example = wrap in PRIVACY_WRAPPERS
-        if wrap is not None:
+        if callable(wrap):
+            opt = wrap(dm, opt)
+        elif wrap is not None:
             opt = (PRIVACY_WRAPPERS if per_example else WEIGHT_WRAPPERS)[wrap](dm, opt)
     if dataset is None:
         dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)

@@ -66,6 +66,25 @@ def test_keras_global_clipnorm_anchor_does_not_match(n, opt):
     assert results(n)[f"{opt}/keras_anchor"]["diff"] > 1e-3
 
 
+@pytest.mark.parametrize("mode", ["fit", "tape"])
+@pytest.mark.parametrize("n, name", [(4, name) for name in sorted(P.WEIGHT_WRAPPERS)] + [(2, "stack"), (4, "stack")])
+def test_weight_wrappers_match_single_device(n, name, mode):
+    """MovingAverage, SWA, Lookahead, DecoupledWeightDecay, alone and stacked with
+    LossScaleOptimizer and GradientAccumulation, on n replicas: the weights, every
+    optimizer variable (averages, slow weights, counts, moments) and the clipped steps
+    as on one device (SGD: a wrong gradient scale shows in every unclipped step), and every replica holding the same values."""
+    r = results(n)[f"wrap/{name}/{mode}"]
+    steps = P.STEPS // 2 if name == "stack" else P.STEPS  # GradientAccumulation(steps=2)
+    assert r["iterations"] == steps, r
+    assert r["clipped_steps"] == r["ref_clipped_steps"], r
+    if name != "stack":  # (the stack's 2-micro-step means stay under the clip norm)
+        assert 0 < r["clipped_steps"] < steps, r
+    if name in ("swa", "stack"):
+        assert r["num_averaged"] == (P.STEPS // 2 if name == "swa" else 2), r
+    assert r["copies_agree"], r
+    assert r["diff"] <= 1e-6 and r["state_diff"] is not None and r["state_diff"] <= 1e-5, r
+
+
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("wrap", sorted(P.PRIVACY_WRAPPERS))
 @pytest.mark.parametrize("mode", ["tape", "fit_integrated"])

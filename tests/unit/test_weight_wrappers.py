@@ -193,6 +193,37 @@ def test_checkpoint_resume_and_config_round_trip(make, tmp_path):
     assert rebuilt.get_config() == opt.get_config()
 
 
+@pytest.mark.parametrize("make", [
+    lambda o: dm.MovingAverage(o, 0.7, True, 2), lambda o: dm.SWA(o, 1, 2), lambda o: dm.Lookahead(o, 3, 0.4),
+    lambda o: dm.DecoupledWeightDecay(o, 0.1, ["bias"], True)], ids=["ma", "swa", "lookahead", "decay"])
+def test_keras_file_resumes_exactly(make, tmp_path):
+    """`model.save` after 3 of 8 batches of `fit`, `keras.saving.load_model`, 5 more:
+    the weights and every optimizer variable (averages, slow weights, snapshot counts,
+    Adam's moments) end as in the uninterrupted run."""
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.normal(size=(64, 2)).astype("float32")
+
+    def compiled():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+        model.compile(loss="mse", optimizer=make(dm.Optimizer(keras.optimizers.Adam(0.05))))
+        return model
+
+    ref = compiled()
+    ref.fit(x, y, batch_size=8, shuffle=False, epochs=1, verbose=0)
+    first = compiled()
+    first.fit(x[:24], y[:24], batch_size=8, shuffle=False, epochs=1, verbose=0)
+    first.save(tmp_path / "m.keras")
+    restored = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(restored.optimizer) is type(ref.optimizer) and int(restored.optimizer.iterations.numpy()) == 3
+    restored.fit(x[24:], y[24:], batch_size=8, shuffle=False, epochs=1, verbose=0)
+    for a, r in zip(restored.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-7)
+    assert len(restored.optimizer.variables) == len(ref.optimizer.variables)
+    for a, r in zip(restored.optimizer.variables, ref.optimizer.variables):
+        np.testing.assert_allclose(np.array(a), np.array(r), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
 def test_update_batch_norm_recomputes_the_statistics():
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2), keras.layers.BatchNormalization()])
