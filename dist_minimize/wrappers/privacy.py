@@ -227,6 +227,9 @@ class DifferentialPrivacy(OptimizerWrapper):
         if accumulation is not None:
             microbatches = microbatches * float(accumulation.steps)  # it averages its micro-steps
         std = self.noise_multiplier * self.l2_norm_clip / microbatches
+        # Read again rather than kept from `get_gradients`: under GradientAccumulation the
+        # noise is added in a later call (another micro-step's graph); the scale only
+        # changes after an update, so both reads see the same value.
         scale = self._loss_scale()
         if scale is not None:
             std = std * scale  # added before the loss scale's unscaling

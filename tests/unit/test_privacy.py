@@ -46,9 +46,9 @@ def reference(inner, microbatches):
     return [w.numpy(), b.numpy()], clipped, unclipped
 
 
-def train(opt, steps=range(STEPS), callable_loss=False, variables=None, use_function=True):
-    w, b = variables or (tf.Variable(W0), tf.Variable(B0))
-
+def make_step(opt, w, b, callable_loss=False, use_function=True):
+    """One DP step of the linear model on a batch: `minimize` with the per-example losses
+    and their tape (or as a callable)."""
     def step(x, y):
         if callable_loss:
             opt.minimize(lambda: per_example_losses(w, b, x, y), [w, b])
@@ -57,7 +57,12 @@ def train(opt, steps=range(STEPS), callable_loss=False, variables=None, use_func
                 loss = per_example_losses(w, b, x, y)
             opt.minimize(loss, [w, b], tape=tape)
 
-    step = tf.function(step) if use_function else step
+    return tf.function(step) if use_function else step
+
+
+def train(opt, steps=range(STEPS), callable_loss=False, variables=None, use_function=True):
+    w, b = variables or (tf.Variable(W0), tf.Variable(B0))
+    step = make_step(opt, w, b, callable_loss, use_function)
     for s in steps:
         step(tf.constant(X[s]), tf.constant(Y[s]))
     return [w.numpy(), b.numpy()], opt, (w, b)
@@ -145,15 +150,7 @@ def test_noise_off_is_exactly_the_clipped_mean():
 def test_per_example_gradients_are_vectorised():
     """tf.GradientTape.jacobian with pfor: one batched computation (a fallback to a while
     loop over the examples would show as While ops in the traced step)."""
-    opt = dp("sgd")
-    w, b = tf.Variable(W0), tf.Variable(B0)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = per_example_losses(w, b, x, y)
-        opt.minimize(loss, [w, b], tape=tape)
-
+    step = make_step(dp("sgd"), tf.Variable(W0), tf.Variable(B0))
     graph = step.get_concrete_function(tf.constant(X[0]), tf.constant(Y[0])).graph
     ops = [op.type for op in graph.get_operations()]
     functions = [f for f in graph._functions.values()] if hasattr(graph, "_functions") else []
@@ -194,13 +191,7 @@ def test_accumulation_inside_equals_the_larger_batch_noise_included():
     halves = dm.DifferentialPrivacy(dm.GradientAccumulation(dm.Optimizer(INNER["adam"]()), steps=2),
                                     l2_norm_clip=CLIP, noise_multiplier=0.9, seed=7)
     w, b = tf.Variable(W0), tf.Variable(B0)
-
-    @tf.function
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = per_example_losses(w, b, x, y)
-        halves.minimize(loss, [w, b], tape=tape)
-
+    step = make_step(halves, w, b)
     for s in (0, 1):
         for part in (slice(0, BATCH // 2), slice(BATCH // 2, BATCH)):
             step(tf.constant(X[s][part]), tf.constant(Y[s][part]))
@@ -295,11 +286,11 @@ def test_a_reduced_loss_under_fit_names_the_fix():
 # -- state -----------------------------------------------------------------------------
 
 
-def test_checkpoint_resumes_exactly_noise_included():
+def test_checkpoint_resumes_exactly_noise_included(tmp_path):
     ref, _, _ = train(dp("adam", noise=1.1, microbatches=2))
     first = dp("adam", noise=1.1, microbatches=2)
     _, _, variables = train(first, steps=range(2))
-    path = tf.train.Checkpoint(optimizer=first, w=variables[0], b=variables[1]).write("/tmp/dm_dp_ckpt/c")
+    path = tf.train.Checkpoint(optimizer=first, w=variables[0], b=variables[1]).write(str(tmp_path / "c"))
     w, b = tf.Variable(tf.zeros_like(W0)), tf.Variable(tf.zeros_like(B0))
     second = dp("adam", noise=1.1, microbatches=2, seed=None)  # the seed comes from the checkpoint
     second.build([w, b])
