@@ -130,7 +130,7 @@ MUTATIONS = [
              "seed=tf.random.experimental.stateless_fold_in(seed, i),",
              "seed=tf.random.experimental.stateless_fold_in(seed, i + 1000 * "
              "tf.distribute.get_replica_context().replica_id_in_sync_group),",
-             [DP_NOISE]),
+             [DP_NOISE, f"{MIRRORED}::test_differential_privacy_matches_single_device"]),
     Mutation("dp-draws-not-advanced", "the noise draw counter is not advanced (the same noise every step)",
              "dist_minimize/wrappers/privacy.py",
              "        distribute.assign_replicated(self._noise_draws, tf.convert_to_tensor(self._noise_draws) + 1)\n",

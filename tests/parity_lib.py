@@ -106,8 +106,8 @@ def privacy_noise(strategy, dataset=None, steps: int = 2) -> dict:
         before = np.array(probe)
         step(next(it))
         moves.append(np.array(probe) - before)
-        copies = [np.array(c) for c in strategy.experimental_local_results(probe.value)] \
-            if hasattr(probe, "values") else [np.array(probe)]
+        copies = [np.array(c) for c in strategy.experimental_local_results(probe)]  # each replica's copy
+        assert len(copies) == strategy.num_replicas_in_sync, len(copies)
         agree = agree and all(np.array_equal(c, copies[0]) for c in copies)
     return {"moves": moves, "agree": agree, "draws": int(opt.noise_draws.numpy())}
 

@@ -67,6 +67,7 @@ def copies_agree(variables) -> bool:
         if "accumulated" in v.name:  # GradientAccumulation's sums are replica-local by design
             continue
         copies = [np.array(c) for c in strategy.experimental_local_results(v.value)]
+        assert len(copies) == N, (v.path, len(copies))  # (each replica's copy, not one value)
         if not all(np.array_equal(c, copies[0]) for c in copies[1:]):
             return False
     return True
