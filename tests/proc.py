@@ -103,3 +103,12 @@ def survivors(marker: str) -> list[str]:
 
 def python(script: str, *args: str) -> list[str]:
     return [sys.executable, os.path.join(ROOT, script), *args]
+
+
+def listening_sockets(pids) -> list[tuple[int, str, str]]:
+    """[(pid, command, "address:port")] of the TCP sockets in LISTEN state that `pids` hold."""
+    return launcher.listening_sockets(pids)
+
+
+def is_loopback(address: str) -> bool:
+    return launcher.is_loopback(address)
