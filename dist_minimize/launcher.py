@@ -416,7 +416,10 @@ def _address(hex_addr: str) -> str:
     raw = bytes.fromhex(host)
     raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is little-endian
     ip = ipaddress.ip_address(raw)
-    return f"{ip}:{int(port, 16)}" if ip.version == 4 else f"[{ip}]:{int(port, 16)}"
+    if ip.version == 4:
+        return f"{ip}:{int(port, 16)}"
+    host = f"::ffff:{ip.ipv4_mapped}" if ip.ipv4_mapped else str(ip)
+    return f"[{host}]:{int(port, 16)}"
 
 
 def listening_sockets(pids: Sequence[int]) -> list[tuple[int, str, str]]:
