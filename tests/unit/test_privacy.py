@@ -295,11 +295,11 @@ def test_a_reduced_loss_under_fit_names_the_fix():
 # -- state -----------------------------------------------------------------------------
 
 
-def test_checkpoint_resumes_exactly_noise_included():
+def test_checkpoint_resumes_exactly_noise_included(tmp_path):
     ref, _, _ = train(dp("adam", noise=1.1, microbatches=2))
     first = dp("adam", noise=1.1, microbatches=2)
     _, _, variables = train(first, steps=range(2))
-    path = tf.train.Checkpoint(optimizer=first, w=variables[0], b=variables[1]).write("/tmp/dm_dp_ckpt/c")
+    path = tf.train.Checkpoint(optimizer=first, w=variables[0], b=variables[1]).write(str(tmp_path / "c"))
     w, b = tf.Variable(tf.zeros_like(W0)), tf.Variable(tf.zeros_like(B0))
     second = dp("adam", noise=1.1, microbatches=2, seed=None)  # the seed comes from the checkpoint
     second.build([w, b])
