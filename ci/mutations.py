@@ -32,6 +32,7 @@ MIRRORED = "tests/distributed/test_mirrored.py"
 MULTIWORKER = "tests/distributed/test_multiworker.py"
 HOROVOD = "tests/distributed/test_horovod.py"
 PROCESSES = "tests/distributed/test_processes.py"
+SECURITY = "tests/distributed/test_security.py::test_a_local_job_listens_on_loopback_only"
 HOROVOD_PARITY = f"{HOROVOD}::test_parity_with_single_device"
 DP_NOISE = f"{MIRRORED}::test_differential_privacy_noise_does_not_grow_with_replicas"
 DP_NOISE_HOROVOD = f"{HOROVOD}::test_differential_privacy_noise_under_horovod"
@@ -147,6 +148,17 @@ MUTATIONS = [
               "    except BaseException:\n        _stop(procs)\n        raise\n"),
              ("    except BaseException:\n        raise\n", "    except BaseException:\n        raise\n"),
              [f"{PROCESSES}::test_no_worker_survives_an_exception_in_the_supervisor"]),
+    Mutation("rendezvous-every-interface", "a local horovodrun's rendezvous server binds every interface",
+             "dist_minimize/_compat_runner.py",
+             "return server_factory((LOOPBACK, port)), port", 'return server_factory(("", port)), port',
+             [f"{SECURITY}[horovod-gloo]",
+              "tests/unit/test_compat_canaries.py::"
+              "test_horovodrun_servers_bind_through_find_port_and_the_runner_moves_them_to_loopback"]),
+    Mutation("local-mpi-over-tcp", "a local mpirun job keeps Open MPI's TCP transport (it listens on every interface)",
+             "dist_minimize/launcher.py",
+             'LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader"))',
+             'LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader,tcp"))',
+             [f"{SECURITY}[mpirun]", "tests/unit/test_launcher_cluster.py::test_local_plans_bind_loopback"]),
 ]
 
 

@@ -5,6 +5,14 @@ MirroredStrategy process.
 Every launch prints the exact command(s) it runs, returns the first non-zero exit
 status of any worker (stopping the others), and can be bounded by a timeout. The CLI is
 `launch/launch.py`.
+
+Network exposure (the README's "Security"): a job whose hosts are all this machine
+(the default) listens on loopback wherever the tool allows it: horovodrun's servers
+through `_compat_runner.py`, Open MPI without its TCP transport. What cannot be bound
+(TensorFlow's gRPC server, Open MPI's out-of-band listener) is named in one
+`[launch] exposed:` line per port as soon as it listens. A host list naming other
+machines gets none of the loopback settings. Each job's temporary files go to a private
+directory (mode 0700) that is removed when the job ends.
 """
 
 from __future__ import annotations
@@ -12,10 +20,12 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Sequence
 
@@ -70,6 +80,37 @@ def parse_hosts(hosts: str | None, hostfile: str | None, np: int) -> list[tuple[
         raise ValueError(f"The hosts have {sum(n for _, n in parsed)} slots for np={np} processes. "
                          f"Received: hosts={','.join(f'{h}:{n}' for h, n in parsed)}")
     return parsed
+
+
+# Host names that mean this machine and nothing else. A job on these only listens on
+# loopback; any other name (this machine's own host name included) is a cluster host list
+# and gets the tools' defaults, so that other machines can connect.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+# Open MPI settings of a local job (mpirun, horovodrun --mpi). Ranks talk through shared
+# memory only: the TCP transport (and libfabric's, under other pml/btl choices) listens on
+# every interface or on the machine's address whatever `btl_tcp_if_include` says
+# (measured on Open MPI 4.1.4). horovodrun sets pml and btl itself: `_compat_runner.py`
+# changes its choice. The out-of-band channel uses loopback, but still listens on 0.0.0.0
+# and [::]: Open MPI has no bind-address setting for it (`oob_tcp_disable_ipv6_family`
+# does not remove the [::] listener either).
+LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader"))
+LOCAL_MPI_MCA = (("oob_tcp_if_include", "lo"),)
+
+# Why a port of a local job is not on loopback, by launcher (printed with the port).
+_OOB = "Open MPI's out-of-band listener binds every interface; Open MPI has no setting to bind one address"
+UNBINDABLE = {
+    "multiworker": "TensorFlow's gRPC server binds every interface; TensorFlow has no setting to bind one address",
+    "mpirun": _OOB,
+    "horovod-mpi": _OOB,
+}
+
+COMPAT_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compat_runner.py")
+
+
+def is_local(slots: Sequence[tuple[str, int]]) -> bool:
+    """True when every host of `slots` ([(host, n)]) is a loopback name (LOOPBACK_HOSTS)."""
+    return all(h in LOOPBACK_HOSTS or h.startswith("127.") for h, _ in slots)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -129,8 +170,13 @@ def tf_config(workers: Sequence[str], index: int) -> str:
 
 def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None,
          hostfile: str | None = None, port: int | None = None,
-         python: str = sys.executable) -> list[tuple[list[str], dict]]:
+         python: str = sys.executable, tmpdir: str | None = None,
+         shm_dir: str | None = None) -> list[tuple[list[str], dict]]:
     """The commands (and extra environment of each) that `launch` would run.
+
+    With hosts that are all this machine (`is_local`), every launcher listens on loopback
+    where its tool allows it; other hosts get the tools' defaults. `tmpdir` becomes the
+    workers' TMPDIR; `shm_dir`, Open MPI's shared-memory directory in a local job.
 
     Raises:
       ValueError: an unknown launcher, np < 1, an empty script, or bad hosts.
@@ -144,24 +190,37 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
     program = [python, *script]
     slots = parse_hosts(hosts, hostfile, np)
     host_arg = ",".join(f"{h}:{n}" for h, n in slots)
+    local = is_local(slots)
+    env = {"TMPDIR": tmpdir} if tmpdir else {}
+    mca = list(LOCAL_MPI_MCA) if local else []  # horovodrun --mpi's transport: _compat_runner.py
+    if local and shm_dir:
+        mca.append(("btl_vader_backing_directory", shm_dir))
     if launcher in ("horovod-gloo", "horovod-mpi"):
-        binary = os.path.join(os.path.dirname(python), "horovodrun")
-        cmd = [binary if os.path.exists(binary) else "horovodrun", "-np", str(np)]
+        if local:
+            # horovodrun itself, with its rendezvous server bound to 127.0.0.1.
+            cmd = [python, COMPAT_RUNNER, "-np", str(np)]
+        else:
+            binary = os.path.join(os.path.dirname(python), "horovodrun")
+            cmd = [binary if os.path.exists(binary) else "horovodrun", "-np", str(np)]
         cmd += ["--hostfile", hostfile] if hostfile else ["-H", host_arg]
         cmd += ["--gloo" if launcher == "horovod-gloo" else "--mpi"]
-        return [(cmd + program, {})]
+        if launcher == "horovod-mpi" and mca:
+            cmd += ["--mpi-args", " ".join(f"--mca {k} {v}" for k, v in mca)]
+        return [(cmd + program, env)]
     if launcher == "mpirun":
         cmd = ["mpirun", "-np", str(np)]
         cmd += ["--hostfile", hostfile] if hostfile else ["-H", host_arg]
         cmd += ["--bind-to", "none", "--map-by", "slot"]
         if os.geteuid() == 0:
             cmd += ["--allow-run-as-root"]
-        for name in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", *FAIL_FAST_ENV):
-            if name in os.environ or name in FAIL_FAST_ENV:
+        for k, v in (list(LOCAL_MPI_TRANSPORT) if local else []) + mca:
+            cmd += ["--mca", k, v]
+        for name in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", *FAIL_FAST_ENV, *env):
+            if name in os.environ or name in FAIL_FAST_ENV or name in env:
                 cmd += ["-x", name]
-        return [(cmd + program, {})]
+        return [(cmd + program, env)]
     if launcher == "mirrored":
-        return [(program + ["--replicas", str(np)], {})]
+        return [(program + ["--replicas", str(np)], env)]
     # multiworker: every worker runs on this host; other hosts start theirs with the same
     # TF_CONFIG cluster (see the README's recipe).
     if any(h not in ("localhost", "127.0.0.1") for h, _ in slots):
@@ -170,7 +229,7 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
                          f"hosts={host_arg}")
     ports = [port + i for i in range(np)] if port else free_ports(np)
     workers = [f"127.0.0.1:{p}" for p in ports]
-    return [(list(program), {"TF_CONFIG": tf_config(workers, i)}) for i in range(np)]
+    return [(list(program), {"TF_CONFIG": tf_config(workers, i), **env}) for i in range(np)]
 
 
 # What TensorFlow's gRPC server reports when a worker's port is taken.
@@ -206,8 +265,33 @@ def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = No
     return status
 
 
+def _job_dirs() -> tuple[str, str | None]:
+    """A private (0700) temporary directory for the job's TMPDIR and, where /dev/shm is
+    writable, one there for Open MPI's shared-memory segments (Open MPI 4.1.4 leaves its
+    4 MiB `vader_segment.*` files in /dev/shm after a job that succeeded)."""
+    tmpdir = tempfile.mkdtemp(prefix="dist_minimize-job-")
+    shm = None
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        try:
+            shm = tempfile.mkdtemp(prefix="dist_minimize-job-", dir="/dev/shm")
+        except OSError:
+            shm = None
+    return tmpdir, shm
+
+
 def _launch_once(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output):
-    steps = plan(launcher, np, script, hosts, hostfile, port, python)
+    tmpdir, shm = _job_dirs()
+    try:
+        return _run_job(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output,
+                        tmpdir, shm)
+    finally:
+        for d in (tmpdir, shm):
+            if d:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _run_job(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output, tmpdir, shm):
+    steps = plan(launcher, np, script, hosts, hostfile, port, python, tmpdir=tmpdir, shm_dir=shm)
     base_env = dict(os.environ)
     for k, v in FAIL_FAST_ENV.items():
         base_env.setdefault(k, v)
@@ -233,7 +317,7 @@ def _launch_once(launcher, np, script, hosts, hostfile, port, timeout, python, o
                 readers.append(_forward(p.stdout, sink, seen))
         names = [os.path.basename(cmd[0]) if len(steps) == 1 else f"worker {i}"
                  for i, (cmd, _) in enumerate(steps)]
-        status = _supervise(procs, names, timeout, out)
+        status = _supervise(procs, names, timeout, out, UNBINDABLE.get(launcher))
     except BaseException:
         _stop(procs)
         raise
@@ -269,17 +353,20 @@ def _forward(stream, sink, seen):
     return t
 
 
-def _supervise(procs: list, names: list, timeout: float | None, out) -> int:
+def _supervise(procs: list, names: list, timeout: float | None, out, why: str | None = None) -> int:
     """Waits for the job; stops every process of it however this ends (BaseException
-    included: pytest-timeout's `Failed`, KeyboardInterrupt, SystemExit)."""
+    included: pytest-timeout's `Failed`, KeyboardInterrupt, SystemExit). Every second,
+    each port of the job listening beyond loopback is named once (`why`: the cause)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     status = 0
     tree: dict[int, str] = {}
+    reported: set = set()
     next_scan = 0.0
     try:
         while True:
             if time.monotonic() >= next_scan:  # remember the job's processes while they run
                 tree.update(_process_tree([p.pid for p in procs]))
+                _report_exposed([p.pid for p in procs] + _alive(tree), reported, why, out)
                 next_scan = time.monotonic() + 1.0
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
@@ -303,6 +390,88 @@ def _supervise(procs: list, names: list, timeout: float | None, out) -> int:
         raise
     _stop(procs, tree)
     return status if status > 0 else 128 + abs(status)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return inodes
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _address(hex_addr: str) -> str:
+    """/proc/net/tcp's local address ("0100007F:1F90") -> "127.0.0.1:8080" ("[::1]:8080")."""
+    import ipaddress
+
+    host, port = hex_addr.split(":")
+    raw = bytes.fromhex(host)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is little-endian
+    ip = ipaddress.ip_address(raw)
+    if ip.version == 4:
+        return f"{ip}:{int(port, 16)}"
+    host = f"::ffff:{ip.ipv4_mapped}" if ip.ipv4_mapped else str(ip)
+    return f"[{host}]:{int(port, 16)}"
+
+
+def listening_sockets(pids: Sequence[int]) -> list[tuple[int, str, str]]:
+    """[(pid, command name, "address:port")] of every TCP socket in LISTEN state held by
+    one of `pids`, read from /proc (no ss or lsof needed); "0.0.0.0" and "[::]" mean
+    every interface. Empty where /proc is not Linux's."""
+    owners: dict[str, int] = {}
+    for pid in pids:
+        for inode in _socket_inodes(pid):
+            owners.setdefault(inode, pid)
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in owners:  # 0A: TCP_LISTEN
+                pid = owners[fields[9]]
+                try:
+                    with open(f"/proc/{pid}/comm") as f:
+                        comm = f.read().strip()
+                except OSError:
+                    comm = "?"
+                found.append((pid, comm, _address(fields[1])))
+    return sorted(set(found))
+
+
+def is_loopback(address: str) -> bool:
+    """True for "127.x.y.z:port", "[::1]:port" and IPv4-mapped loopback."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("::1", "::ffff:127.0.0.1") or host.startswith("127.") or host.startswith("::ffff:127.")
+
+
+def _report_exposed(pids: Sequence[int], reported: set, why: str | None, out) -> None:
+    """Prints one line per (process, port) of the job that listens beyond loopback."""
+    exposed: dict[tuple[int, str, str], list[str]] = {}
+    for pid, comm, address in listening_sockets(pids):
+        if not is_loopback(address):
+            host, port = address.rsplit(":", 1)
+            exposed.setdefault((pid, comm, port), []).append(host)
+    for (pid, comm, port), hosts in sorted(exposed.items()):
+        if (pid, port) in reported:
+            continue
+        reported.add((pid, port))
+        where = " and ".join(f"{h}:{port}" for h in sorted(hosts))
+        scope = "every interface" if set(hosts) <= {"0.0.0.0", "[::]"} else "beyond loopback"
+        print(f"[launch] exposed: {comm} (pid {pid}) listens on {where} ({scope}), with no "
+              f"authentication{'; ' + why if why else ''}. See the README's \"Security\"",
+              file=out, flush=True)
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -103,3 +104,37 @@ def survivors(marker: str) -> list[str]:
 
 def python(script: str, *args: str) -> list[str]:
     return [sys.executable, os.path.join(ROOT, script), *args]
+
+
+def listening_sockets(pids) -> list[tuple[int, str, str]]:
+    """[(pid, command, "address:port")] of the TCP sockets in LISTEN state that `pids` hold."""
+    return launcher.listening_sockets(pids)
+
+
+def is_loopback(address: str) -> bool:
+    return launcher.is_loopback(address)
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], env: dict, log):
+    """Starts `cmd` in a process group of its own, output to the file `log`; yields
+    (process, pids) where `pids()` lists it and every process descended from it. On the
+    way out, whatever ends the block, every one of them is killed."""
+    p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    tree: dict[int, str] = {}
+
+    def pids() -> list[int]:
+        tree.update(launcher._process_tree([p.pid]))
+        return [p.pid, *launcher._alive(tree)]
+
+    try:
+        yield p, pids
+    finally:
+        tree.update(launcher._process_tree([p.pid]))
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in launcher._alive(tree):
+            launcher._kill(pid, signal.SIGKILL)
+        p.wait()

@@ -2,9 +2,11 @@
 MirroredStrategy (2 of the 4 logical CPUs, in the test process): `fit` against a NumPy
 reference, a skipped step, evaluation with the averages swapped in, save and reload."""
 
+import atexit
 import importlib.util
 import os
 import re
+import shutil
 import tempfile
 
 import keras
@@ -30,7 +32,9 @@ def readme_example():
     text = open(README).read()
     section = text[text.index("### Writing a wrapper"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    path = os.path.join(tempfile.mkdtemp(prefix="dm-readme-"), "readme_wrapper_example.py")
+    where = tempfile.mkdtemp(prefix="dm-readme-")
+    atexit.register(shutil.rmtree, where, True)  # kept while the tests run: AutoGraph reads it
+    path = os.path.join(where, "readme_wrapper_example.py")
     with open(path, "w") as f:
         f.write(code)
     spec = importlib.util.spec_from_file_location("readme_wrapper_example", path)

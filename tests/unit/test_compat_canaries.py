@@ -1,9 +1,13 @@
-"""Canaries: one test per private Keras/TensorFlow internal that dist_minimize/_compat.py
-uses. Each fails, naming the internal, when a Keras or TensorFlow release moves it."""
+"""Canaries: one test per private Keras/TensorFlow/Horovod internal that
+dist_minimize/_compat.py (and _compat_runner.py, the launcher's horovodrun) uses. Each
+fails, naming the internal, when a Keras or TensorFlow release moves it."""
+
+import os
 
 import keras
 import tensorflow as tf
 
+from conftest import requires_horovod
 from dist_minimize import _compat
 
 
@@ -153,3 +157,50 @@ def test_keras_symbolic_build_internals_used_by_integrate():
     _compat.build_from_local_batch(model)
     model._maybe_symbolic_build(data_batch=(tf.ones((4, 2)), tf.zeros((4, 1)), None))
     assert model.optimizer.built
+
+
+@requires_horovod
+def test_horovodrun_servers_bind_through_find_port_and_the_runner_moves_them_to_loopback():
+    """dist_minimize/_compat_runner.py (the launcher's horovodrun for local jobs): Horovod's
+    rendezvous server still binds every interface through `find_port`, imported by name
+    in the modules patched, and `mpi_run._OMPI_FLAGS` still chooses `-mca btl`; patched,
+    the rendezvous server binds 127.0.0.1 and mpirun's transport is shared memory."""
+    import importlib.util
+    import inspect
+
+    from horovod.runner import mpi_run
+    from horovod.runner.common.util import network as common_network
+    from horovod.runner.http import http_server
+    from horovod.runner.util import network
+
+    assert "('', port)" in inspect.getsource(network.find_port)  # every interface
+    assert http_server.find_port is network.find_port is common_network.find_port
+    assert "find_port(" in inspect.getsource(http_server.RendezvousServer.start)
+    assert any(f.startswith("-mca btl ") for f in mpi_run._OMPI_FLAGS)
+    spec = importlib.util.spec_from_file_location(
+        "dm_compat_runner", os.path.join(os.path.dirname(_compat.__file__), "_compat_runner.py"))
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    saved = [(m, m.find_port) for m in (network, http_server, common_network)]
+    saved_flags = list(mpi_run._OMPI_FLAGS)
+    server = http_server.RendezvousServer()
+    try:
+        runner.bind_horovodrun_to_loopback()
+        assert mpi_run._OMPI_FLAGS == ["-mca pml ob1", "-mca btl self,vader"]
+        port = server.start()
+        assert server._httpd.server_address == ("127.0.0.1", port)
+    finally:
+        if server._httpd is not None:
+            server.stop()
+        for module, original in saved:
+            module.find_port = original
+        mpi_run._OMPI_FLAGS = saved_flags
+
+
+def test_tensorflow_server_def_still_has_no_bind_address():
+    """The README's "Security" says TensorFlow's gRPC server cannot be bound to loopback:
+    ServerDef (what TF_CONFIG becomes) has a port but no address to listen on. When a
+    release adds one, this fails: bind local multiworker jobs to 127.0.0.1 with it."""
+    fields = {f.name for f in tf.train.ServerDef.DESCRIPTOR.fields}
+    assert "port" in fields
+    assert not [f for f in fields if any(w in f for w in ("addr", "host", "bind", "interface"))], fields

@@ -87,8 +87,7 @@ def test_tf_config_from_statefulset_matches_the_manifest():
 def test_mpijob_manifest_runs_the_main_job_over_mpi():
     import yaml
 
-    job = yaml.safe_load(read("launch", "k8s", "mpijob.yaml"))
-    assert job["kind"] == "MPIJob"
+    job = next(d for d in yaml.safe_load_all(read("launch", "k8s", "mpijob.yaml")) if d["kind"] == "MPIJob")
     command = job["spec"]["mpiReplicaSpecs"]["Launcher"]["template"]["spec"]["containers"][0]["command"]
     assert command[0] == "mpirun" and "/opt/dist_minimize/launch/train.py" in command
     # mpirun gives each worker OMPI_COMM_WORLD_*: discovery reads them.
@@ -106,3 +105,36 @@ def test_gpu_check_plan():
     assert one["split"] and one["replicas"] == 2 and not one["nccl"] and "NCCL" in one["not_run"][0]
     eight = plan(8)
     assert eight["nccl"] and eight["replicas"] == 8 and eight["not_run"] == []
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) == {"matchLabels"}, selector  # only the form these manifests use
+    return selector["matchLabels"].items() <= labels.items()
+
+
+@pytest.mark.parametrize("manifest", ["multiworker.yaml", "mpijob.yaml"])
+def test_network_policy_admits_only_the_jobs_own_pods(manifest):
+    """Issue 12: the job's ports have no authentication; each example manifest carries a
+    NetworkPolicy that selects every pod of the job and admits ingress from those only."""
+    import yaml
+
+    docs = list(yaml.safe_load_all(read("launch", "k8s", manifest)))
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1" and policy["spec"]["policyTypes"] == ["Ingress"]
+    if manifest == "multiworker.yaml":
+        stateful = next(d for d in docs if d["kind"] == "StatefulSet")
+        templates = [stateful["spec"]["template"]]
+        env = {e["name"]: e["value"] for e in templates[0]["spec"]["containers"][0]["env"]}
+        ports = [{"protocol": "TCP", "port": int(env["DM_PORT"])}]
+    else:
+        job = next(d for d in docs if d["kind"] == "MPIJob")
+        templates = [spec["template"] for spec in job["spec"]["mpiReplicaSpecs"].values()]
+        ports = None  # ssh, then Open MPI's ports chosen at random: every port, from the job only
+    for template in templates:
+        assert _selects(policy["spec"]["podSelector"], template["metadata"]["labels"])
+    [rule] = policy["spec"]["ingress"]
+    [peer] = rule["from"]
+    assert set(peer) == {"podSelector"}  # no namespaceSelector or ipBlock: the job's pods only
+    for template in templates:
+        assert _selects(peer["podSelector"], template["metadata"]["labels"])
+    assert rule.get("ports") == ports

@@ -1,6 +1,7 @@
 """Launch plans, host parsing, the supervisor, and rank discovery from launcher variables."""
 
 import json
+import os
 import sys
 import time
 
@@ -15,7 +16,7 @@ def test_horovodrun_plans_print_exact_commands():
                                  python="/venv/bin/python")
     assert cmd[1:] == ["-np", "4", "-H", "a:2,b:2", "--gloo", "/venv/bin/python", "train.py", "--epochs", "2"]
     [(cmd, _)] = launcher.plan("horovod-mpi", 2, ["t.py"], python="py")
-    assert cmd[1:6] == ["-np", "2", "-H", "localhost:2", "--mpi"]
+    assert cmd[:7] == ["py", launcher.COMPAT_RUNNER, "-np", "2", "-H", "localhost:2", "--mpi"]
 
 
 def test_mpirun_plan_exports_env_and_uses_hostfile(tmp_path):
@@ -92,3 +93,95 @@ def test_discover_bad_environment(env, needle):
 def test_mpi4py_and_horovod_link_the_same_mpi():
     path = cluster.check_same_mpi()
     assert "libmpi.so" in path
+
+
+# Issue 12: a local job listens on loopback where its tool allows it; a host list that
+# names other machines keeps the tools' defaults (they must reach each other).
+MULTI_HOST = [{"hosts": "a:2,b:2"}, {"hosts": "localhost:2,node2:2"}, {"hostfile": "HOSTFILE"}]
+
+
+def _plan(name, kwargs, tmp_path, **extra):
+    kwargs = dict(kwargs)
+    if kwargs.get("hostfile") == "HOSTFILE":
+        (tmp_path / "hosts").write_text("node1 slots=2\nnode2 slots=2\n")
+        kwargs["hostfile"] = str(tmp_path / "hosts")
+    return launcher.plan(name, 4, ["t.py"], python="py", **kwargs, **extra)
+
+
+@pytest.mark.parametrize("name", ["horovod-gloo", "horovod-mpi", "mpirun"])
+@pytest.mark.parametrize("kwargs", [{}, {"hosts": "localhost:4"}, {"hosts": "127.0.0.1:2,localhost:2"}])
+def test_local_plans_bind_loopback(name, kwargs, tmp_path):
+    [(cmd, env)] = _plan(name, kwargs, tmp_path, tmpdir="/job/tmp", shm_dir="/dev/shm/job")
+    assert env == {"TMPDIR": "/job/tmp"}
+    text = " ".join(cmd)
+    if name.startswith("horovod"):
+        assert cmd[:2] == ["py", launcher.COMPAT_RUNNER]  # rendezvous on 127.0.0.1
+    if name == "horovod-mpi":
+        assert cmd[cmd.index("--mpi-args") + 1] == (
+            "--mca oob_tcp_if_include lo --mca btl_vader_backing_directory /dev/shm/job")
+    if name == "mpirun":
+        assert "--mca pml ob1 --mca btl self,vader --mca oob_tcp_if_include lo" in text
+        assert "--mca btl_vader_backing_directory /dev/shm/job" in text and "-x TMPDIR" in text
+    if name == "horovod-gloo":
+        assert "--mca" not in text and "--mpi-args" not in text
+
+
+@pytest.mark.parametrize("name", ["horovod-gloo", "horovod-mpi", "mpirun"])
+@pytest.mark.parametrize("kwargs", MULTI_HOST)
+def test_multi_host_plans_get_no_loopback_settings(name, kwargs, tmp_path):
+    [(cmd, env)] = _plan(name, kwargs, tmp_path, tmpdir="/job/tmp", shm_dir="/dev/shm/job")
+    text = " ".join(cmd)
+    assert launcher.COMPAT_RUNNER not in cmd and os.path.basename(cmd[0]) in ("horovodrun", "mpirun")
+    assert "--mca" not in text and "--mpi-args" not in text and "_if_include" not in text
+    assert "/dev/shm/job" not in text
+    assert not launcher.is_local(launcher.parse_hosts(kwargs.get("hosts"), None, 4)) if "hosts" in kwargs else True
+
+
+def test_is_local_means_loopback_names_only():
+    assert launcher.is_local([("localhost", 2)]) and launcher.is_local([("127.0.0.1", 1), ("::1", 1)])
+    assert not launcher.is_local([("localhost", 1), ("node2", 1)])
+    assert not launcher.is_local([(__import__("socket").gethostname(), 2)])  # a host list, not loopback
+
+
+def test_multiworker_and_mirrored_plans_pass_the_job_tmpdir():
+    for cmd, env in launcher.plan("multiworker", 2, ["t.py"], port=23456, python="py", tmpdir="/job/tmp"):
+        assert env["TMPDIR"] == "/job/tmp" and "TF_CONFIG" in env
+    [(cmd, env)] = launcher.plan("mirrored", 2, ["t.py"], python="py", tmpdir="/job/tmp")
+    assert env == {"TMPDIR": "/job/tmp"}
+
+
+@pytest.mark.parametrize("hex_addr,want", [
+    ("0100007F:1F90", "127.0.0.1:8080"), ("00000000:0050", "0.0.0.0:80"),
+    ("00000000000000000000000001000000:1F90", "[::1]:8080"),
+    ("00000000000000000000000000000000:1F90", "[::]:8080"),
+    ("0000000000000000FFFF00000100007F:1F90", "[::ffff:127.0.0.1]:8080"),
+])
+def test_proc_net_tcp_addresses(hex_addr, want):
+    assert launcher._address(hex_addr) == want
+    assert launcher.is_loopback(want) == ("127.0.0.1" in want or "::1]" in want)
+
+
+def test_listening_sockets_and_the_exposed_line():
+    import io
+    import os
+    import socket
+
+    loop, every = socket.socket(), socket.socket()
+    try:
+        loop.bind(("127.0.0.1", 0))
+        every.bind(("0.0.0.0", 0))
+        loop.listen()
+        every.listen()
+        found = {a for pid, _, a in launcher.listening_sockets([os.getpid()])}
+        assert f"127.0.0.1:{loop.getsockname()[1]}" in found and f"0.0.0.0:{every.getsockname()[1]}" in found
+        out, reported = io.StringIO(), set()
+        for _ in range(2):  # the second scan prints nothing new
+            launcher._report_exposed([os.getpid()], reported, "a cause", out)
+        # (only this socket's line: other tests' servers may still listen in this process)
+        [line] = [x for x in out.getvalue().splitlines() if f":{every.getsockname()[1]} " in x]
+        assert not [x for x in out.getvalue().splitlines() if f":{loop.getsockname()[1]} " in x]
+        assert f"listens on 0.0.0.0:{every.getsockname()[1]} (every interface)" in line
+        assert "no authentication; a cause" in line and "Security" in line
+    finally:
+        loop.close()
+        every.close()
