@@ -1,0 +1,79 @@
+"""Alternating timing: every variant of a comparison runs in the same process, in turns.
+
+A rep times `steps` calls of each variant, one after another; the order is reversed
+every other rep (A B C, C B A, ...) so slow drifts of a shared machine (another job
+starting, CPU frequency) fall on every variant alike. The ratio of two variants is
+taken per rep (times measured seconds apart), and reported as the median and the
+spread (min, max) over the reps. Warm-up calls (tracing, first allocations) are
+excluded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List
+
+
+@dataclass
+class Ratio:
+    """Time of `a` over time of `b` per rep: > 1 means `a` is slower."""
+
+    a: str
+    b: str
+    per_rep: List[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.per_rep)
+
+    @property
+    def low(self) -> float:
+        return min(self.per_rep)
+
+    @property
+    def high(self) -> float:
+        return max(self.per_rep)
+
+    def as_dict(self) -> dict:
+        return {"a": self.a, "b": self.b, "median": self.median, "min": self.low, "max": self.high,
+                "per_rep": self.per_rep}
+
+
+@dataclass
+class Timings:
+    """Seconds per step of each variant, one entry per rep."""
+
+    per_step: Dict[str, List[float]] = field(default_factory=dict)
+
+    def ratio(self, a: str, b: str) -> Ratio:
+        return Ratio(a, b, [ta / tb for ta, tb in zip(self.per_step[a], self.per_step[b])])
+
+    def median_ms(self, name: str) -> float:
+        return 1e3 * statistics.median(self.per_step[name])
+
+
+def alternate(variants: Dict[str, Callable[[int], None]], reps: int, steps: int, warmup: int = 3) -> Timings:
+    """Times each `variants[name](n)` (runs n steps and waits for them) in alternation.
+
+    Args:
+      variants: name -> function running n steps to completion.
+      reps: how many turns; each turn times every variant once.
+      steps: steps per timed call.
+      warmup: untimed steps of each variant first.
+
+    Returns:
+      `Timings`, seconds per step per rep.
+    """
+    names = list(variants)
+    for name in names:
+        variants[name](warmup)
+    out = Timings({name: [] for name in names})
+    for rep in range(reps):
+        order = names if rep % 2 == 0 else names[::-1]
+        for name in order:
+            start = time.perf_counter()
+            variants[name](steps)
+            out.per_step[name].append((time.perf_counter() - start) / steps)
+    return out

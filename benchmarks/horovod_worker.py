@@ -1,0 +1,118 @@
+"""The Horovod sections (2 and 4's Horovod half), one process per rank under horovodrun.
+
+Launched by `benchmarks/run.py` as
+`horovodrun -np 2 -H localhost:2 --gloo python benchmarks/horovod_worker.py OUT.json`;
+rank 0 writes the timings to OUT.json. Every rank runs the same alternating schedule,
+so the collectives keep the ranks in step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import horovod.tensorflow as hvd  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import dist_minimize as dm  # noqa: E402
+from benchmarks import _steps, _timing  # noqa: E402
+from benchmarks._steps import CLIP, LR  # noqa: E402
+
+
+class HvdStep:
+    def __init__(self, kind, build_model, local_batch):
+        self.traces = 0
+        model = build_model()
+        rng = np.random.default_rng(hvd.rank())
+        x = tf.constant(rng.normal(size=(local_batch, *model.input_shape[1:])).astype("float32"))
+        y = tf.constant(rng.normal(size=(local_batch, model.output_shape[-1])).astype("float32"))
+        variables = model.trainable_variables
+        if kind == "dm_clip":
+            opt = dm.Optimizer(keras.optimizers.Adam(LR), aggregate_gradients="horovod",
+                               transform_gradients=dm.clip_by_global_norm(CLIP))
+        else:
+            opt = _steps.disabled_all_reduce(keras.optimizers.Adam(LR))
+        opt.build(variables)
+
+        @tf.function(jit_compile=False)
+        def step():
+            self.traces += 1
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(_steps.per_example_loss(model, x, y))
+            if kind == "dm_clip":
+                opt.minimize(loss, variables, tape=tape)
+            else:
+                grads = hvd.grouped_allreduce(tape.gradient(loss, variables), op=hvd.Average)
+                grads, _ = tf.clip_by_global_norm(grads, CLIP)
+                opt.apply_gradients(zip(grads, variables))
+
+        self._step, self._var = step, variables[0]
+
+    def run(self, n):
+        for _ in range(n):
+            self._step()
+        np.asarray(tf.reduce_sum(self._var))
+
+
+class HvdAggregation:
+    """One `HorovodAggregator` call on `count` tensors of `size` float32 each."""
+
+    def __init__(self, count, size):
+        self.traces = 0
+        self.bytes = 4 * count * size
+        self._vars = [tf.Variable(tf.fill([size], float(i))) for i in range(count)]
+        agg = dm.aggregation.HorovodAggregator()
+
+        @tf.function(jit_compile=False)
+        def reduce():
+            self.traces += 1
+            out = agg([(tf.identity(v), v) for v in self._vars])
+            with tf.control_dependencies([g for g, _ in out]):
+                return tf.constant(0)
+
+        self._fn = reduce
+
+    def run(self, n):
+        for _ in range(n):
+            r = self._fn()
+        np.asarray(r)
+
+
+def main(argv):
+    out_path = argv[0]
+    quick = "--quick" in argv
+    hvd.init()
+    reps, steps = (3, 3) if quick else (9, 10)
+    models = {"MLP 50 x Dense(128)": _steps.mlp(50, 128)}
+    if not quick:
+        models["MLP 10 x Dense(256)"] = _steps.mlp(10, 256)
+    results = {"np": hvd.size(), "steps": [], "aggregation": []}
+    for label, build in models.items():
+        variants = {k: HvdStep(k, build, 128) for k in ("dm_clip", "hand_clip")}
+        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps)
+        results["steps"].append({
+            "model": label, "local_batch": 128, "ms": {k: t.median_ms(k) for k in variants},
+            "ratio": t.ratio("dm_clip", "hand_clip").as_dict(),
+            "traces": {k: v.traces for k, v in variants.items()}})
+    count, size = (200, 1024) if quick else (200, 4096)
+    variants = {"many": HvdAggregation(count, size), "one": HvdAggregation(1, count * size)}
+    t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=3 if quick else 20)
+    results["aggregation"].append({
+        "backend": "horovod (Gloo)", "count": count, "size": size, "bytes": variants["one"].bytes,
+        "ms": {k: t.median_ms(k) for k in variants},
+        "ratio": t.ratio("one", "many").as_dict(),  # time(one)/time(many) = throughput(many)/throughput(one)
+        "traces": {k: v.traces for k, v in variants.items()}})
+    if hvd.rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

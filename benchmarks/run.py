@@ -1,0 +1,527 @@
+"""dist_minimize benchmarks: every comparison against its anchor in the same run, as ratios.
+
+Usage (from the repository root):
+  python benchmarks/run.py                      # full run (~15 min on 2 CPUs): RESULTS.md + results.png
+  python benchmarks/run.py --quick --only clip  # a smoke run of one section
+  python benchmarks/run.py --out DIR --no-plot  # write elsewhere, without matplotlib
+
+Sections (--only takes a comma-separated list): step, horovod, clip, aggregation,
+growth, memory, wrappers. Timings alternate A and B in one process (benchmarks/_timing.py);
+the ratio is time(A) / time(B) per rep, reported as the median [min-max] over reps:
+above 1 means A is slower. Absolute times are context only: these machines are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+HERE = os.path.join(ROOT, "benchmarks")
+
+SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers")
+STEP_TARGET, WRAPPER_TARGET, AGG_TARGET, MEMORY_TARGET = 1.03, 1.05, 0.9, 1.05
+
+
+def fmt(r: dict) -> str:
+    return f"{r['median']:.3f} [{r['min']:.3f}-{r['max']:.3f}]"
+
+
+def check(item: str, ratio: dict, target: float, higher_is_better: bool = False) -> dict:
+    ok = ratio["median"] >= target if higher_is_better else ratio["median"] <= target
+    return {"item": item, "measured": fmt(ratio), "target": ("≥ " if higher_is_better else "≤ ") + f"{target:g}",
+            "ok": ok, "median": ratio["median"]}
+
+
+class Context:
+    """What the in-process sections share: the strategy on 2 logical CPUs and the run size."""
+
+    def __init__(self, quick: bool):
+        import tensorflow as tf
+
+        self.tf = tf
+        cpus = tf.config.list_physical_devices("CPU")
+        tf.config.set_logical_device_configuration(cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2)
+        self.strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        self.quick = quick
+        self.reps = 3 if quick else 9
+        self.steps = 3 if quick else 10
+
+
+def _compare(ctx, makers: dict, steps: int | None = None):
+    from benchmarks import _timing
+
+    built = {name: make() for name, make in makers.items()}
+    t = _timing.alternate({n: s.run for n, s in built.items()}, reps=ctx.reps, steps=steps or ctx.steps)
+    return t, built
+
+
+# -- section 1 ---------------------------------------------------------------------------
+
+def _models(ctx):
+    from benchmarks import _steps
+
+    models = [("MLP 50 x Dense(128)", _steps.mlp(50, 128), 256),
+              ("MLP 10 x Dense(256)", _steps.mlp(10, 256), 256),
+              ("MLP 200 x Dense(32)", _steps.mlp(200, 32), 256),
+              ("ResNet-like CNN (16x16x3, 7 conv)", _steps.resnet_cnn(), 64)]
+    # --quick: one tiny model, so a smoke run costs seconds (its ratios measure nothing)
+    return [("MLP 4 x Dense(32)", _steps.mlp(4, 32), 64)] if ctx.quick else models
+
+
+def section_step(ctx):
+    from benchmarks import _steps
+
+    rows, checks, plot = [], [], []
+    kinds = ("dm_clip", "hand_clip", "keras_clip", "keras")
+    for label, build, batch in _models(ctx):
+        t, built = _compare(ctx, {k: (lambda k=k: _steps.make(k, ctx.strategy, build, batch)) for k in kinds})
+        nvars = len(built["dm_clip"].model.trainable_variables)
+        r = {k: t.ratio("dm_clip", k).as_dict() for k in kinds[1:]}
+        rows.append([label, nvars, batch, f"{t.median_ms('dm_clip'):.1f}", f"{t.median_ms('hand_clip'):.1f}",
+                     fmt(r["hand_clip"]), fmt(r["keras_clip"]), fmt(r["keras"]),
+                     "/".join(str(built[k].traces) for k in kinds)])
+        checks.append(check(f"1. MirroredStrategy {label}: dist_minimize / hand-written", r["hand_clip"], STEP_TARGET))
+        plot.append((label, r))
+    return {
+        "title": "1. MirroredStrategy, 2 logical CPUs: dist_minimize (Adam + cross-replica clip) against the anchors",
+        "tables": [{"header": ["model", "variables", "global batch", "dm ms/step", "hand ms/step",
+                               "dm / hand-written", "dm / Keras global_clipnorm", "dm / Keras no clip",
+                               "traces dm/hand/kclip/k"], "rows": rows}],
+        "notes": ["hand-written: tape; one ReplicaContext.all_reduce(SUM) of all gradients; tf.clip_by_global_norm; "
+                  "Adam.apply_gradients with its own all-reduce disabled. Keras global_clipnorm clips each replica's "
+                  "gradients with its own norm before the all-reduce (fast, not correct)."],
+        "checks": checks, "plot": {"step": plot}}
+
+
+# -- section 3 ---------------------------------------------------------------------------
+
+def section_clip(ctx):
+    from benchmarks import _steps
+
+    rows, checks = [], []
+    kinds = ("dm_clip", "dm", "dm_clip_noguard", "dm_noguard", "keras")
+    for label, build, batch in _models(ctx)[:2]:
+        t, _ = _compare(ctx, {k: (lambda k=k: _steps.make(k, ctx.strategy, build, batch)) for k in kinds})
+        clip = t.ratio("dm_clip", "dm").as_dict()
+        guard_clip = t.ratio("dm_clip", "dm_clip_noguard").as_dict()
+        guard = t.ratio("dm", "dm_noguard").as_dict()
+        stock = t.ratio("dm", "keras").as_dict()
+        rows.append([label, fmt(clip), fmt(guard_clip), fmt(guard), fmt(stock)])
+        checks.append(check(f"3. clip overhead {label}: dm + clip / dm", clip, STEP_TARGET))
+    return {
+        "title": "3. Clipping overhead and the non-finite guard (MirroredStrategy, 2 logical CPUs)",
+        "tables": [{"header": ["model", "dm + clip / dm", "guard cost with clip (on / off)",
+                               "guard cost, no clip (on / off)", "dm no clip / Keras no clip"], "rows": rows}],
+        "notes": ["guard = skip_nonfinite=True (default): with the clipper the finite flag comes from the norm "
+                  "(no second pass over the gradients); without it, one all_finite pass. Either way the update "
+                  "runs in one agreed tf.cond."],
+        "checks": checks}
+
+
+# -- section 4 ---------------------------------------------------------------------------
+
+class _StrategyAggregation:
+    def __init__(self, strategy, count, size):
+        import numpy as np
+        import tensorflow as tf
+
+        import dist_minimize as dm
+
+        self.traces, self.bytes = 0, 4 * count * size
+        with strategy.scope():
+            variables = [tf.Variable(tf.fill([size], float(i))) for i in range(count)]
+        agg = dm.aggregation.StrategyAggregator()
+
+        def replica():
+            out = agg([(tf.identity(v), v) for v in variables])
+            with tf.control_dependencies([g for g, _ in out]):
+                return tf.constant(0)
+
+        @tf.function
+        def reduce():
+            self.traces += 1
+            return strategy.run(replica)
+
+        self._fn, self._np = reduce, np
+
+    def run(self, n):
+        for _ in range(n):
+            r = self._fn()
+        self._np.asarray(r.values[0] if hasattr(r, "values") else r)
+
+
+def _agg_row(entry):
+    one, many = entry["ms"]["one"], entry["ms"]["many"]
+    gbs = lambda ms: entry["bytes"] / (ms / 1e3) / 1e9  # noqa: E731
+    return [entry["backend"], f"{entry['count']} x {entry['size']} float32", f"{entry['bytes'] / 1e6:.2f} MB",
+            f"{gbs(many):.2f}", f"{gbs(one):.2f}", fmt(entry["ratio"])]
+
+
+def section_aggregation(ctx):
+    count, size = (200, 1024) if ctx.quick else (200, 4096)
+    t, built = _compare(ctx, {"many": lambda: _StrategyAggregation(ctx.strategy, count, size),
+                              "one": lambda: _StrategyAggregation(ctx.strategy, 1, count * size)},
+                        steps=3 if ctx.quick else 20)
+    entry = {"backend": "strategy (MirroredStrategy, 2 CPUs)", "count": count, "size": size,
+             "bytes": built["one"].bytes, "ms": {k: t.median_ms(k) for k in built},
+             "ratio": t.ratio("one", "many").as_dict()}
+    return {
+        "title": "4. Aggregation: many small gradient tensors against one tensor of the same total size",
+        "tables": [{"header": ["backend", "tensors", "total", "many: GB/s", "one: GB/s",
+                               "throughput many / one"], "rows": [_agg_row(entry)]}],
+        "notes": ["Effective bytes/s = gradient bytes of one replica / time of one aggregator call. "
+                  "The Horovod row is added by the horovod section."],
+        "checks": [check("4. strategy backend: many-tensor / one-tensor throughput", entry["ratio"], AGG_TARGET, True)],
+        "raw": entry}
+
+
+# -- section 5 ---------------------------------------------------------------------------
+
+def _rss_kb(field="VmRSS"):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _reset_peak():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def section_growth(ctx):
+    from benchmarks import _steps, _timing
+
+    counts = [10, 30] if ctx.quick else [10, 100, 300, 1000]
+    sweeps = [(n, 1024) for n in counts]
+    if not ctx.quick:
+        sweeps += [(100, 256), (100, 16384)]
+    rows, plot, worst = [], [], 0.0
+    for count, size in sweeps:
+        build = _steps.many_variables(count, size)
+        steps, traced = {}, {}
+        for k in ("dm_clip", "hand_clip"):
+            steps[k] = _steps.make(k, ctx.strategy, build, 64)
+            start = time.perf_counter()
+            steps[k].run(1)
+            traced[k] = time.perf_counter() - start
+        t = _timing.alternate({k: s.run for k, s in steps.items()}, reps=ctx.reps, steps=ctx.steps, warmup=2)
+        peaks = {}
+        for k, s in steps.items():  # peak RSS over a few steps, above the RSS before them
+            if _reset_peak():
+                base = _rss_kb()
+                s.run(ctx.steps)
+                peaks[k] = (_rss_kb("VmHWM") - base) / 1024
+        r = t.ratio("dm_clip", "hand_clip").as_dict()
+        over = t.median_ms("dm_clip") - t.median_ms("hand_clip")
+        rows.append([count, size, f"{4 * count * size / 1e6:.2f} MB", f"{t.median_ms('hand_clip'):.2f}",
+                     f"{t.median_ms('dm_clip'):.2f}", fmt(r), f"{1e3 * over / count:+.1f}",
+                     f"{traced['dm_clip']:.1f} / {traced['hand_clip']:.1f}",
+                     " / ".join(f"{peaks[k]:.1f}" for k in peaks) if peaks else "n/a",
+                     f"{steps['dm_clip'].traces}/{steps['hand_clip'].traces}"])
+        if size == 1024:
+            plot.append((count, t.median_ms("dm_clip"), t.median_ms("hand_clip")))
+            worst = max(worst, r["median"])
+        traces_ok = steps["dm_clip"].traces == 1 and steps["hand_clip"].traces == 1
+    ratios = [row[5] for row in rows]
+    first, last = rows[0], rows[len(counts) - 1]
+    growth = {"median": float(last[5].split()[0]) / float(first[5].split()[0]), "min": math.nan, "max": math.nan}
+    return {
+        "title": "5. Cost growth with the number of variables and gradient bytes (MirroredStrategy, 2 CPUs, batch 64)",
+        "tables": [{"header": ["variables", "floats each", "gradient bytes", "hand ms/step", "dm ms/step",
+                               "dm / hand", "dm overhead µs per variable", "first call (trace) s dm / hand",
+                               "peak RSS over steps MB dm / hand", "traces dm/hand"], "rows": rows}],
+        "notes": ["A model of N weight vectors (loss: x * sum of squares), Adam, cross-replica clip on both sides. "
+                  "The ratio staying flat as N grows 100x means dist_minimize's overhead grows no faster than the "
+                  "step itself (linearly). Each step function is traced once (traces column).",
+                  f"ratio at {counts[-1]} variables over the ratio at {counts[0]}: {growth['median']:.3f}"],
+        "checks": [{"item": f"5. growth: dm / hand ratio at {counts[-1]} vars over at {counts[0]} vars (flat = linear)",
+                    "measured": f"{growth['median']:.3f}", "target": "≤ 1.03", "ok": growth["median"] <= 1.03,
+                    "median": growth["median"]},
+                   {"item": "5. each step function traced once", "measured": "yes" if traces_ok else "no",
+                    "target": "1 trace", "ok": traces_ok, "median": 1.0}],
+        "plot": {"growth": plot}, "_ratios": ratios}
+
+
+# -- section 7 ---------------------------------------------------------------------------
+
+def section_wrappers(ctx):
+    from benchmarks import _steps, _wrappers
+
+    rows, checks, plot = [], [], []
+    names = list(_wrappers.WRAPPERS)
+    if ctx.quick:
+        names = ["moving_average"]
+    for name in names:
+        build, batch = (_steps.mlp(4, 64), 64) if name == "dp_sgd" else (_steps.mlp(10, 256), 256)
+        if ctx.quick:
+            build, batch = _steps.mlp(4, 32), 64
+        steps = ctx.steps * (_wrappers.ACCUMULATION if name == "accumulation" and not ctx.quick else 1)
+        t, built = _compare(ctx, {"dm": lambda: _wrappers.make_dm(name, ctx.strategy, build, batch),
+                                  "hand": lambda: _wrappers.make_hand(name, ctx.strategy, build, batch)}, steps=steps)
+        r = t.ratio("dm", "hand").as_dict()
+        rows.append([name, _wrappers.WRAPPERS[name], "MLP 4 x Dense(64), batch 64" if name == "dp_sgd"
+                     else "MLP 10 x Dense(256), batch 256", f"{t.median_ms('dm'):.1f}", f"{t.median_ms('hand'):.1f}",
+                     fmt(r), f"{built['dm'].traces}/{built['hand'].traces}"])
+        checks.append(check(f"7. {name}: dist_minimize / hand-written", r, WRAPPER_TARGET))
+        plot.append((name, r))
+    return {
+        "title": "7. Wrappers against their best hand-written equivalent (MirroredStrategy, 2 CPUs, Adam + clip)",
+        "tables": [{"header": ["wrapper", "against", "model", "dm ms/step", "hand ms/step", "dm / hand",
+                               "traces dm/hand"], "rows": rows}],
+        "notes": ["Both sides clip by the cross-replica global norm (DP-SGD: per-example clipping only)."],
+        "checks": checks, "plot": {"wrappers": plot}}
+
+
+# -- subprocess sections -------------------------------------------------------------------
+
+def _env():
+    env = dict(os.environ)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _run_group(cmd, timeout):
+    """Runs `cmd` in its own process group; on a timeout or any error the whole group is killed."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{out[-3000:]}")
+    return out
+
+
+def section_horovod(ctx_quick):
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "hvd.json")
+        cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+               os.path.join(HERE, "horovod_worker.py"), out] + (["--quick"] if ctx_quick else [])
+        _run_group(cmd, timeout=300 if ctx_quick else 600)
+        with open(out) as f:
+            res = json.load(f)
+    rows, checks = [], []
+    for e in res["steps"]:
+        rows.append([e["model"], e["local_batch"], f"{e['ms']['dm_clip']:.1f}", f"{e['ms']['hand_clip']:.1f}",
+                     fmt(e["ratio"]), f"{e['traces']['dm_clip']}/{e['traces']['hand_clip']}"])
+        checks.append(check(f"2. horovodrun -np 2 {e['model']}: dist_minimize / hand-written", e["ratio"], STEP_TARGET))
+    agg = res["aggregation"][0]
+    return {
+        "title": "2. horovodrun -np 2 -H localhost:2 --gloo: dist_minimize (Horovod backend + clip) against the "
+                 "hand-written Horovod step",
+        "tables": [{"header": ["model", "batch per process", "dm ms/step", "hand ms/step", "dm / hand-written",
+                               "traces dm/hand"], "rows": rows}],
+        "notes": ["hand-written: tape; hvd.grouped_allreduce(grads, op=hvd.Average); tf.clip_by_global_norm; "
+                  "Adam.apply_gradients."],
+        "checks": checks + [check("4. horovod backend: many-tensor / one-tensor throughput", agg["ratio"],
+                                  AGG_TARGET, True)],
+        "horovod_aggregation": agg}
+
+
+def section_memory(quick):
+    reps = 1 if quick else 3
+    steps = "20" if quick else "200"
+    peaks = {"dm": [], "keras": []}
+    for rep in range(reps):
+        for kind in (("dm", "keras") if rep % 2 == 0 else ("keras", "dm")):
+            out = _run_group([sys.executable, os.path.join(HERE, "memory_worker.py"), kind, steps], timeout=300)
+            line = [ln for ln in out.splitlines() if ln.startswith("{")][-1]
+            peaks[kind].append(json.loads(line)["peak_rss_mb"])
+    ratios = [d / k for d, k in zip(peaks["dm"], peaks["keras"])]
+    r = {"median": sorted(ratios)[len(ratios) // 2], "min": min(ratios), "max": max(ratios)}
+    return {
+        "title": f"6. Peak RSS of a model.fit run ({steps} steps, fresh process each, MirroredStrategy 2 CPUs, "
+                 "MLP 50 x Dense(128))",
+        "tables": [{"header": ["dist_minimize peak RSS MB", "Keras global_clipnorm peak RSS MB", "dm / Keras"],
+                    "rows": [[" / ".join(f"{p:.0f}" for p in peaks["dm"]),
+                              " / ".join(f"{p:.0f}" for p in peaks["keras"]), fmt(r)]]}],
+        "notes": ["VmHWM of each process at the end of fit; the two kinds alternate."],
+        "checks": [check("6. peak RSS dist_minimize / stock Keras", r, MEMORY_TARGET)]}
+
+
+# -- report --------------------------------------------------------------------------------
+
+def markdown_table(header, rows):
+    lines = ["| " + " | ".join(str(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def machine_info(argv):
+    import keras
+    import tensorflow as tf
+
+    try:
+        import horovod
+        hvd_version = horovod.__version__
+    except ImportError:
+        hvd_version = "not installed"
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return [f"- command: `python benchmarks/run.py {shlex.join(argv)}`".replace(" `", " `").rstrip(),
+            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- machine: {platform.node() and 'Linux ' + platform.release()}, {os.cpu_count()} logical CPUs ({cpu}), "
+            f"load average at start {os.getloadavg()[0]:.2f} (shared machine)",
+            f"- versions: Python {platform.python_version()}, TensorFlow {tf.__version__}, Keras {keras.__version__}, "
+            f"Horovod {hvd_version}"]
+
+
+def write_plot(path, results):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    step = next((r["plot"]["step"] for r in results if "step" in r.get("plot", {})), [])
+    growth = next((r["plot"]["growth"] for r in results if "growth" in r.get("plot", {})), [])
+    wrappers = next((r["plot"]["wrappers"] for r in results if "wrappers" in r.get("plot", {})), [])
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    ax = axes[0]
+    for i, anchor in enumerate(("hand_clip", "keras_clip", "keras")):
+        xs = [j + 0.27 * (i - 1) for j in range(len(step))]
+        med = [r[anchor]["median"] for _, r in step]
+        err = [[m - r[anchor]["min"] for m, (_, r) in zip(med, step)],
+               [r[anchor]["max"] - m for m, (_, r) in zip(med, step)]]
+        ax.bar(xs, med, 0.27, yerr=err, label={"hand_clip": "/ hand-written", "keras_clip": "/ Keras global_clipnorm",
+                                                "keras": "/ Keras no clip"}[anchor])
+    ax.axhline(STEP_TARGET, color="k", ls="--", lw=0.8, label="target 1.03 (hand-written)")
+    ax.set_xticks(range(len(step)), [s[0].replace(" x ", "x").replace("ResNet-like CNN", "CNN").split(" (")[0]
+                                     for s in step], fontsize=8)
+    ax.set_ylim(0.7, 1.3)
+    ax.set_title("1. dist_minimize + clip, step-time ratio")
+    ax.legend(fontsize=7)
+    ax = axes[1]
+    if growth:
+        ax.loglog([g[0] for g in growth], [g[1] for g in growth], "o-", label="dist_minimize + clip")
+        ax.loglog([g[0] for g in growth], [g[2] for g in growth], "s--", label="hand-written")
+        ax.legend(fontsize=8)
+    ax.set_xlabel("variables (1024 floats each)")
+    ax.set_ylabel("ms / step")
+    ax.set_title("5. step time against variables")
+    ax = axes[2]
+    if wrappers:
+        med = [r["median"] for _, r in wrappers]
+        ax.bar(range(len(wrappers)), med, yerr=[[m - r["min"] for m, (_, r) in zip(med, wrappers)],
+                                                  [r["max"] - m for m, (_, r) in zip(med, wrappers)]])
+        ax.set_xticks(range(len(wrappers)), [w for w, _ in wrappers], rotation=30, fontsize=8)
+    ax.axhline(WRAPPER_TARGET, color="k", ls="--", lw=0.8)
+    ax.set_ylim(0.7, 1.3)
+    ax.set_title("7. wrapper / hand-written, step-time ratio")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def report(results, argv, header_notes):
+    parts = ["# dist_minimize benchmark results", "",
+             "Written by `benchmarks/run.py` from one run; every figure is a ratio of two variants timed in "
+             "alternation in the same process (median [min-max] over reps; time(A) / time(B): above 1 means "
+             "dist_minimize is slower), except where a table says otherwise. Absolute times are context only.", ""]
+    parts += machine_info(argv) + [""] + header_notes
+    checks = [c for r in results for c in r.get("checks", [])]
+    parts += ["## Targets", "", markdown_table(["comparison", "measured", "target", "met"],
+                                               [[c["item"], c["measured"], c["target"], "yes" if c["ok"] else "**no**"]
+                                                for c in checks]), ""]
+    for r in results:
+        parts += [f"## {r['title']}", ""]
+        for t in r["tables"]:
+            parts += [markdown_table(t["header"], t["rows"]), ""]
+        parts += [f"- {n}" for n in r.get("notes", [])] + [""]
+    return "\n".join(parts)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smoke run: few reps, few steps, one model per section")
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {', '.join(SECTIONS)}")
+    p.add_argument("--out", default=HERE, help="where RESULTS.md (and results.png) go (default: benchmarks/)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG (no matplotlib needed)")
+    p.add_argument("--json", help="also write the raw results to this file")
+    p.add_argument("--notes", default=None, help="a Markdown file whose text goes under the header of RESULTS.md")
+    args = p.parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    started = time.time()
+    ctx = Context(args.quick) if set(only) & {"step", "clip", "aggregation", "growth", "wrappers"} else None
+    results = []
+    for name in SECTIONS:
+        if name not in only:
+            continue
+        t0 = time.time()
+        print(f"[bench] section {name} ...", flush=True)
+        if name == "horovod":
+            res = section_horovod(args.quick)
+            agg = next((r for r in results if "raw" in r), None)
+            if agg is not None:
+                agg["tables"][0]["rows"].append(_agg_row(res["horovod_aggregation"]))
+            else:
+                res["tables"].append({"header": ["backend", "tensors", "total", "many: GB/s", "one: GB/s",
+                                                 "throughput many / one"], "rows": [_agg_row(res["horovod_aggregation"])]})
+        elif name == "memory":
+            res = section_memory(args.quick)
+        else:
+            res = globals()[f"section_{name}"](ctx)
+        if name == "aggregation":  # a horovod run before it put its row in its own table: move it here
+            hv = next((r for r in results if "horovod_aggregation" in r), None)
+            if hv is not None:
+                res["tables"][0]["rows"].append(hv["tables"].pop()["rows"][0])
+        res["seconds"] = time.time() - t0
+        results.append(res)
+        for t in res["tables"]:
+            print(f"\n{res['title']}\n" + markdown_table(t["header"], t["rows"]), flush=True)
+        print(f"[bench] section {name}: {res['seconds']:.0f} s", flush=True)
+    notes = []
+    if args.notes:
+        with open(args.notes) as f:
+            notes = [f.read().strip(), ""]
+    notes += [f"- sections: {', '.join(only)}; total time {time.time() - started:.0f} s"
+              + (" (--quick: a smoke run, not a measurement)" if args.quick else ""), ""]
+    text = report(results, argv, notes)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
+        f.write(text)
+    if not args.no_plot:
+        write_plot(os.path.join(args.out, "results.png"), results)
+        with open(os.path.join(args.out, "RESULTS.md"), "a") as f:
+            f.write("\n![results](results.png)\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k != "plot"} for r in results], f, indent=1, default=str)
+    checks = [c for r in results for c in r.get("checks", [])]
+    print("\nTargets\n" + markdown_table(["comparison", "measured", "target", "met"],
+                                          [[c["item"], c["measured"], c["target"], "yes" if c["ok"] else "no"]
+                                           for c in checks]))
+    print(f"[bench] wrote {os.path.join(args.out, 'RESULTS.md')} in {time.time() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
