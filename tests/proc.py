@@ -43,6 +43,21 @@ def env(**extra) -> dict:
     return e
 
 
+def kill_all(procs: list, tree: dict) -> None:
+    """Kills each process's group and every process descended from one (`tree`, as
+    remembered while they ran, plus what is alive now), then reaps the processes."""
+    tree.update(launcher._process_tree([p.pid for p in procs]))
+    for p in procs:  # (the group too when its leader has exited: what it started may live on)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in launcher._alive(tree):
+        launcher._kill(pid, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
 def run_all(commands: list[list[str]], envs: list[dict], timeout: float) -> list[tuple[int, str]]:
     """Runs the commands together; returns [(returncode, output)].
 
@@ -66,17 +81,7 @@ def run_all(commands: list[list[str]], envs: list[dict], timeout: float) -> list
                 break
             time.sleep(0.2)
     finally:
-        tree.update(launcher._process_tree([p.pid for p in procs]))
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for pid in launcher._alive(tree):
-            launcher._kill(pid, signal.SIGKILL)
-        for p in procs:
-            p.wait()
+        kill_all(procs, tree)
     outputs = []
     for log in logs:
         log.seek(0)
@@ -130,11 +135,4 @@ def started(cmd: list[str], env: dict, log):
     try:
         yield p, pids
     finally:
-        tree.update(launcher._process_tree([p.pid]))
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        for pid in launcher._alive(tree):
-            launcher._kill(pid, signal.SIGKILL)
-        p.wait()
+        kill_all([p], tree)
