@@ -10,10 +10,14 @@ import tensorflow as tf
 
 from dist_minimize import _compat, distribute
 from dist_minimize.transforms.base import check_positive_finite
+from dist_minimize.aggregation import packing
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
 _REDUCTIONS = ("mean", "sum", "adasum")
 _COMPRESSIONS = ("none", "fp16")
+# Horovod's own default fusion buffer (HOROVOD_FUSION_THRESHOLD): the same bound on
+# what one packed buffer holds.
+DEFAULT_BYTES_PER_PACK = 64 * 1024 * 1024
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -32,7 +36,14 @@ class HorovodAggregator(Aggregator):
     (Adasum issues one `hvd.allreduce` per tensor: Horovod 0.28.1's `grouped_allreduce`
     fails with Adasum.)
 
-    All dense gradients of the step go into a single `hvd.grouped_allreduce` call.
+    All dense gradients of the step go into a single `hvd.grouped_allreduce` call, packed
+    first (for `"mean"` and `"sum"`) into one flat buffer per dtype of at most
+    `bytes_per_pack` bytes: Horovod then reduces a few large tensors instead of many
+    small ones, each element exactly as it would alone (measured on 2 processes with
+    200 gradients of 16 KiB: 0.84 of the throughput of one tensor of the same size,
+    against 0.60 unpacked; `benchmarks/RESULTS.md`). A gradient of `bytes_per_pack` or
+    more is sent as it is. Packing holds one extra copy of the packed gradients while
+    they are reduced; `bytes_per_pack=0` turns it off.
     `IndexedSlices` (an `Embedding` gradient) are densified first when
     `sparse_as_dense=True` (then they join the grouped allreduce); otherwise each is
     allgathered (values and indices) and stays sparse, its values divided by the
@@ -52,11 +63,13 @@ class HorovodAggregator(Aggregator):
         float16 sums in range); 1.0 means a plain average.
       process_set: a `horovod.tensorflow.ProcessSet`; aggregate only among its
         processes (default: all).
+      bytes_per_pack: the largest packed buffer, in bytes (default 64 MiB, Horovod's
+        fusion threshold); 0 sends every gradient separately. Adasum never packs.
 
     Raises:
       ValueError: an unknown `reduction` or `compression`, a non-positive
-        `gradient_predivide_factor`, or a predivide factor with a reduction other than
-        `"mean"`.
+        `gradient_predivide_factor`, a predivide factor with a reduction other than
+        `"mean"`, or a negative or non-integer `bytes_per_pack`.
       MissingDependencyError: Horovod is not installed with TensorFlow support.
     """
 
@@ -69,6 +82,7 @@ class HorovodAggregator(Aggregator):
         sparse_as_dense: bool = False,
         gradient_predivide_factor: float = 1.0,
         process_set: Any = None,
+        bytes_per_pack: int = DEFAULT_BYTES_PER_PACK,
     ):
         if reduction not in _REDUCTIONS:
             raise ValueError(
@@ -82,6 +96,11 @@ class HorovodAggregator(Aggregator):
             raise ValueError(
                 "`gradient_predivide_factor` only applies to reduction='mean'. Received: "
                 f"gradient_predivide_factor={gradient_predivide_factor!r}, reduction={reduction!r}")
+        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
+            raise ValueError(
+                "`bytes_per_pack` must be a non-negative integer (0: no packing). "
+                f"Received: bytes_per_pack={bytes_per_pack!r}")
+        self.bytes_per_pack = bytes_per_pack
         self.reduction = reduction
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)
@@ -150,7 +169,10 @@ class HorovodAggregator(Aggregator):
             for i in dense_idx:
                 reduced[i] = hvd.allreduce(grads[i], **kwargs)
         elif dense_idx:
-            out = hvd.grouped_allreduce([grads[i] for i in dense_idx], **self._allreduce_kwargs(size))
+            # Sum and mean act element by element: packed, each element is reduced as alone.
+            buffers, spec = packing.pack([grads[i] for i in dense_idx], self.bytes_per_pack)
+            reduced_buffers = hvd.grouped_allreduce(buffers, **self._allreduce_kwargs(size))
+            out = packing.unpack(reduced_buffers, spec)
             for i, g in zip(dense_idx, out):
                 reduced[i] = g
         for i, g in enumerate(grads):
@@ -188,6 +210,7 @@ class HorovodAggregator(Aggregator):
             "compression": self.compression,
             "sparse_as_dense": self.sparse_as_dense,
             "gradient_predivide_factor": self.gradient_predivide_factor,
+            "bytes_per_pack": self.bytes_per_pack,
         }
 
     @classmethod

@@ -209,6 +209,12 @@ if scenario == "parity":
     w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
                       loss_denominator=local, aggregate=pre)
     results["predivide"] = {"weights": lists(w)}
+    # Packing: off, and in buffers of 64 bytes (several per step); the default packs all.
+    for label, limit in (("unpacked", 0), ("pack64", 64)):
+        agg = dm.aggregation.HorovodAggregator(bytes_per_pack=limit)
+        w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
+                          loss_denominator=local, aggregate=agg)
+        results[label] = {"weights": lists(w)}
     ids, y = P.embedding_data()
     ids_l, y_l = P.shard_rows(ids, y, rank, size)
     for dense in (False, True):

@@ -236,6 +236,18 @@ def test_predivide_factor_keeps_the_average(tmp_root):
         assert P.max_abs_diff(ref, arrays(r["predivide"]["weights"])) <= 1e-6
 
 
+def test_packed_and_unpacked_aggregation_agree(tmp_root):
+    """The default aggregator packs every gradient into one buffer; bytes_per_pack=0 sends
+    each alone, 64 bytes makes several buffers. Sum and mean act element by element, so
+    on 2 processes the three are bitwise equal, and each matches one device (clip never
+    fires, so a scale error shows)."""
+    ref = reference("sgd-0.01", "callable", "never")
+    for r in job("horovod-gloo", 2, "parity", tmp_root):
+        packed = r["sgd-0.01/callable/never"]["weights"]
+        assert r["unpacked"]["weights"] == packed and r["pack64"]["weights"] == packed
+        assert P.max_abs_diff(ref, arrays(packed)) <= 1e-6
+
+
 def fp16_bound(local_max_abs) -> float:
     """The largest weight error fp16 compression can cause in the "fp16" run.
 
