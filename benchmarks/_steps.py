@@ -8,6 +8,11 @@ The anchors:
   hand_clip   the fastest correct hand-written step: tape; ONE `ReplicaContext.all_reduce`
               (SUM) of every gradient; `tf.clip_by_global_norm`; the Keras optimizer's
               `apply_gradients` with its own all-reduce disabled.
+  hand_clip_guard  the same, with the guarantee dist_minimize's default gives: a step whose
+              clipped gradients are not finite is skipped on every replica (the update in
+              a `tf.cond` on the finite norm, taken once in the cross-replica context
+              under MirroredStrategy, where a per-replica cond around Keras's update
+              cannot run). Without it an inf gradient writes NaN into every weight.
   keras_clip  stock Keras 3 `Adam(global_clipnorm=...)`: clips each replica's gradients
               with that replica's norm BEFORE the all-reduce (fast, not correct).
   keras       stock Keras 3 Adam, no clipping.
@@ -105,16 +110,25 @@ def disabled_all_reduce(keras_opt):
     return keras_opt
 
 
-def hand_replica_fn(model, opt, global_batch, clip=CLIP, loss_scale=None):
+def hand_replica_fn(model, opt, global_batch, clip=CLIP, guard=False):
+    variables = model.trainable_variables
+
     def replica(x, y):
         with tf.GradientTape() as tape:
             loss = tf.nn.compute_average_loss(per_example_loss(model, x, y), global_batch_size=global_batch)
-        variables = model.trainable_variables
         grads = tape.gradient(loss, variables)
         grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
-        if clip is not None:
-            grads, _ = tf.clip_by_global_norm(grads, clip)
-        opt.apply_gradients(zip(grads, variables))
+        grads, norm = tf.clip_by_global_norm(grads, clip)
+        if not guard:
+            opt.apply_gradients(zip(grads, variables))
+            return
+
+        def cross(strategy, finite, grads):
+            def apply():
+                strategy.extended.call_for_each_replica(lambda g: opt.apply_gradients(zip(g, variables)), args=(grads,))
+            tf.cond(strategy.experimental_local_results(finite)[0], apply, lambda: None)
+
+        tf.distribute.get_replica_context().merge_call(cross, args=(tf.math.is_finite(norm), grads))
     return replica
 
 
@@ -140,9 +154,9 @@ def make(kind: str, strategy, build_model, global_batch: int) -> Step:
     with strategy.scope():
         model = build_model()
         batch = batch_for(model, global_batch, strategy)
-        if kind == "hand_clip":
+        if kind in ("hand_clip", "hand_clip_guard"):
             opt = disabled_all_reduce(keras.optimizers.Adam(LR))
-            fn = hand_replica_fn(model, opt, global_batch)
+            fn = hand_replica_fn(model, opt, global_batch, guard=kind == "hand_clip_guard")
         elif kind in ("keras", "keras_clip"):
             opt = keras.optimizers.Adam(LR, global_clipnorm=CLIP if kind == "keras_clip" else None)
             fn = keras_replica_fn(model, opt, global_batch)
@@ -163,6 +177,7 @@ KINDS = {
     "dm_clip_noguard": "dist_minimize Adam + clip, skip_nonfinite=False",
     "dm_noguard": "dist_minimize Adam, no clip, skip_nonfinite=False",
     "hand_clip": "hand-written correct step (one all_reduce, tf.clip_by_global_norm, Adam)",
+    "hand_clip_guard": "hand_clip + skip of a non-finite step, agreed on every replica",
     "keras_clip": "stock Keras 3 Adam(global_clipnorm) (per-replica clip: wrong)",
     "keras": "stock Keras 3 Adam, no clip",
 }

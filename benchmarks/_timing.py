@@ -54,14 +54,21 @@ class Timings:
         return 1e3 * statistics.median(self.per_step[name])
 
 
-def alternate(variants: Dict[str, Callable[[int], None]], reps: int, steps: int, warmup: int = 3) -> Timings:
+def alternate(variants: Dict[str, Callable[[int], None]], reps: int, steps: int, warmup: int = 3,
+              block_seconds: float = 0.0, multiple: int = 1, agree: Callable[[int], int] | None = None) -> Timings:
     """Times each `variants[name](n)` (runs n steps and waits for them) in alternation.
 
     Args:
       variants: name -> function running n steps to completion.
       reps: how many turns; each turn times every variant once.
-      steps: steps per timed call.
+      steps: steps per timed call (the least, with `block_seconds`).
       warmup: untimed steps of each variant first.
+      block_seconds: if positive, raise `steps` so that one timed call of the slowest
+        variant lasts about this long (a short block is mostly the machine's noise).
+      multiple: the step count is rounded up to a multiple of this (e.g. the
+        accumulation window, so every variant times whole windows).
+      agree: maps this process's calibrated step count to the one every process uses
+        (processes that run collectives together must run the same steps).
 
     Returns:
       `Timings`, seconds per step per rep.
@@ -69,6 +76,16 @@ def alternate(variants: Dict[str, Callable[[int], None]], reps: int, steps: int,
     names = list(variants)
     for name in names:
         variants[name](warmup)
+    if block_seconds > 0:
+        slowest = 0.0
+        for name in names:
+            start = time.perf_counter()
+            variants[name](multiple)
+            slowest = max(slowest, (time.perf_counter() - start) / multiple)
+        steps = max(steps, int(block_seconds / max(slowest, 1e-6)))
+        if agree is not None:
+            steps = agree(steps)
+    steps = -(-steps // multiple) * multiple
     out = Timings({name: [] for name in names})
     for rep in range(reps):
         order = names if rep % 2 == 0 else names[::-1]

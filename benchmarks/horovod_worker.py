@@ -33,9 +33,10 @@ class HvdStep:
         x = tf.constant(rng.normal(size=(local_batch, *model.input_shape[1:])).astype("float32"))
         y = tf.constant(rng.normal(size=(local_batch, model.output_shape[-1])).astype("float32"))
         variables = model.trainable_variables
-        if kind == "dm_clip":
+        if kind.startswith("dm"):
             opt = dm.Optimizer(keras.optimizers.Adam(LR), aggregate_gradients="horovod",
-                               transform_gradients=dm.clip_by_global_norm(CLIP))
+                               transform_gradients=dm.clip_by_global_norm(CLIP),
+                               skip_nonfinite=kind != "dm_clip_noguard")
         else:
             opt = _steps.disabled_all_reduce(keras.optimizers.Adam(LR))
         opt.build(variables)
@@ -45,12 +46,16 @@ class HvdStep:
             self.traces += 1
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(_steps.per_example_loss(model, x, y))
-            if kind == "dm_clip":
+            if kind.startswith("dm"):
                 opt.minimize(loss, variables, tape=tape)
             else:
                 grads = hvd.grouped_allreduce(tape.gradient(loss, variables), op=hvd.Average)
-                grads, _ = tf.clip_by_global_norm(grads, CLIP)
-                opt.apply_gradients(zip(grads, variables))
+                grads, norm = tf.clip_by_global_norm(grads, CLIP)
+                if kind == "hand_clip_guard":  # skip a non-finite step (the norm is the same on every rank)
+                    tf.cond(tf.math.is_finite(norm), lambda: opt.apply_gradients(zip(grads, variables)),
+                            lambda: opt.iterations)
+                else:
+                    opt.apply_gradients(zip(grads, variables))
 
         self._step, self._var = step, variables[0]
 
@@ -61,53 +66,69 @@ class HvdStep:
 
 
 class HvdAggregation:
-    """One `HorovodAggregator` call on `count` tensors of `size` float32 each."""
+    """`ROUNDS` chained `HorovodAggregator` calls on `count` tensors of `size` float32
+    each, the outputs returned (see `run.py`'s `_StrategyAggregation`: a result nothing
+    uses lets TensorFlow prune Horovod's collective from the graph)."""
 
-    def __init__(self, count, size):
+    ROUNDS = 5
+
+    def __init__(self, count, size, bytes_per_pack=dm.aggregation.HorovodAggregator().bytes_per_pack):
         self.traces = 0
         self.bytes = 4 * count * size
-        self._vars = [tf.Variable(tf.fill([size], float(i))) for i in range(count)]
-        agg = dm.aggregation.HorovodAggregator()
+        self._vars = [tf.Variable(tf.fill([size], float(i + hvd.rank()))) for i in range(count)]
+        agg = dm.aggregation.HorovodAggregator(bytes_per_pack=bytes_per_pack)
 
         @tf.function(jit_compile=False)
         def reduce():
             self.traces += 1
-            out = agg([(tf.identity(v), v) for v in self._vars])
-            with tf.control_dependencies([g for g, _ in out]):
-                return tf.constant(0)
+            gv = [(tf.identity(v), v) for v in self._vars]
+            for _ in range(self.ROUNDS):
+                gv = agg(gv)
+            return [g for g, _ in gv]
 
         self._fn = reduce
 
     def run(self, n):
         for _ in range(n):
             r = self._fn()
-        np.asarray(r)
+        np.asarray(r[-1])
 
 
 def main(argv):
     out_path = argv[0]
     quick = "--quick" in argv
     hvd.init()
-    reps, steps = (3, 3) if quick else (9, 10)
+    reps, steps = (3, 3) if quick else (31, 10)  # two processes on two cores: noisier, more reps
+    block = 0.0 if quick else 0.4  # seconds per timed block, as in run.py
+
+    def agree(n):  # rank 0's calibrated step count on every rank (they run collectives together)
+        return int(hvd.broadcast_object(n, root_rank=0))
     models = {"MLP 50 x Dense(128)": _steps.mlp(50, 128)}
     if not quick:
         models["MLP 10 x Dense(256)"] = _steps.mlp(10, 256)
     results = {"np": hvd.size(), "steps": [], "aggregation": []}
     for label, build in models.items():
-        variants = {k: HvdStep(k, build, 128) for k in ("dm_clip", "hand_clip")}
-        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps)
+        variants = {k: HvdStep(k, build, 128) for k in ("dm_clip", "hand_clip", "hand_clip_guard", "dm_clip_noguard")}
+        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
+                              block_seconds=block, agree=agree)
         results["steps"].append({
             "model": label, "local_batch": 128, "ms": {k: t.median_ms(k) for k in variants},
             "ratio": t.ratio("dm_clip", "hand_clip").as_dict(),
+            "ratio_guard": t.ratio("dm_clip", "hand_clip_guard").as_dict(),
+            "ratio_noguard": t.ratio("dm_clip_noguard", "hand_clip").as_dict(),
             "traces": {k: v.traces for k, v in variants.items()}})
     count, size = (200, 1024) if quick else (200, 4096)
-    variants = {"many": HvdAggregation(count, size), "one": HvdAggregation(1, count * size)}
-    t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=3 if quick else 20)
-    results["aggregation"].append({
-        "backend": "horovod (Gloo)", "count": count, "size": size, "bytes": variants["one"].bytes,
-        "ms": {k: t.median_ms(k) for k in variants},
-        "ratio": t.ratio("one", "many").as_dict(),  # time(one)/time(many) = throughput(many)/throughput(one)
-        "traces": {k: v.traces for k, v in variants.items()}})
+    variants = {"many": HvdAggregation(count, size), "one": HvdAggregation(1, count * size),
+                "many_unpacked": HvdAggregation(count, size, bytes_per_pack=0)}
+    t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=3,
+                          block_seconds=block, agree=agree)
+    for label, many in (("horovod (Gloo), packed (default)", "many"),
+                        ("horovod (Gloo), bytes_per_pack=0 (before)", "many_unpacked")):
+        results["aggregation"].append({
+            "backend": label, "count": count, "size": size, "bytes": variants["one"].bytes,
+            "ms": {"many": t.median_ms(many), "one": t.median_ms("one")}, "rounds": HvdAggregation.ROUNDS,
+            "ratio": t.ratio("one", many).as_dict(),  # time(one)/time(many) = throughput(many)/throughput(one)
+            "traces": {k: v.traces for k, v in variants.items()}})
     if hvd.rank() == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
