@@ -35,11 +35,13 @@ WRAPPERS = {
 }
 
 
-def _dm_base():
-    return dm.Optimizer(keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(CLIP))
+def make_dm(name: str, strategy, build_model, global_batch: int, guard: bool = True) -> _steps.Step:
+    """The wrapper `name` around dist_minimize Adam + clip; `guard=False`: skip_nonfinite=False
+    (for the loss-scale wrapper, whose skip is its purpose, the guard stays)."""
+    def _dm_base():
+        return dm.Optimizer(keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(CLIP),
+                            skip_nonfinite=guard or name == "loss_scale")
 
-
-def make_dm(name: str, strategy, build_model, global_batch: int) -> _steps.Step:
     with strategy.scope():
         model = build_model()
         batch = _steps.batch_for(model, global_batch, strategy)
@@ -56,7 +58,8 @@ def make_dm(name: str, strategy, build_model, global_batch: int) -> _steps.Step:
         elif name == "weight_decay":
             opt = dm.DecoupledWeightDecay(_dm_base(), WEIGHT_DECAY, scale_by_learning_rate=True)
         elif name == "dp_sgd":
-            opt = dm.DifferentialPrivacy(dm.Optimizer(keras.optimizers.Adam(LR)), l2_norm_clip=DP_CLIP,
+            opt = dm.DifferentialPrivacy(dm.Optimizer(keras.optimizers.Adam(LR), skip_nonfinite=guard),
+                                         l2_norm_clip=DP_CLIP,
                                          noise_multiplier=DP_NOISE, seed=0)
         else:
             raise ValueError(name)
