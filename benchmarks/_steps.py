@@ -103,6 +103,17 @@ class Step:
             self._step(*self._batch)
         np.asarray(tf.reduce_sum(self._sync))  # wait for the last step
 
+    def graph_stats(self) -> dict:
+        """Size of the traced step (public graph API; the trace made by `run`, not a new one):
+        `nodes` (the function and every function it calls, cond branches included) and
+        `cond_inputs`, the inputs of each `If` in the step's own graph. When it runs the
+        step, TensorFlow lowers each `If` into a Switch (and an Identity) per input."""
+        graph = self._step.get_concrete_function(*self._batch).graph
+        graph_def = graph.as_graph_def()
+        nodes = len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+        conds = [len(op.inputs) for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        return {"nodes": nodes, "cond_inputs": conds}
+
 
 def disabled_all_reduce(keras_opt):
     """The hand-written anchor's Keras optimizer: its own cross-replica sum switched off."""

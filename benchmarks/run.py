@@ -87,7 +87,7 @@ def _models(ctx):
 def section_step(ctx):
     from benchmarks import _steps
 
-    rows, checks, plot = [], [], []
+    rows, checks, plot, graph_rows = [], [], [], []
     kinds = ("dm_clip", "hand_clip", "hand_clip_guard", "dm_clip_noguard", "keras_clip", "keras")
     for label, build, batch in _models(ctx):
         t, built = _compare(ctx, {k: (lambda k=k: _steps.make(k, ctx.strategy, build, batch)) for k in kinds})
@@ -102,19 +102,29 @@ def section_step(ctx):
         checks.append(check(f"1. MirroredStrategy {label}: dist_minimize / hand-written with the same non-finite "
                             "guard", r["hand_clip_guard"], STEP_TARGET))
         plot.append((label, r))
+        stats = {k: built[k].graph_stats() for k in kinds[:4]}
+        graph_rows.append([label, nvars] + [f"{stats[k]['nodes']} / {'+'.join(map(str, stats[k]['cond_inputs'])) or '-'}"
+                                            for k in kinds[:4]])
     return {
         "title": "1. MirroredStrategy, 2 logical CPUs: dist_minimize (Adam + cross-replica clip) against the anchors",
         "tables": [{"header": ["model", "variables", "global batch", "dm ms/step", "hand ms/step",
                                "dm / hand-written", "dm / hand-written + guard", "dm without guard / hand-written",
                                "hand + guard / hand (the guard's cost)", "dm / Keras global_clipnorm",
-                               "dm / Keras no clip", "traces " + "/".join(kinds)], "rows": rows}],
+                               "dm / Keras no clip", "traces " + "/".join(kinds)], "rows": rows},
+                   {"header": ["model", "variables", "graph nodes / cond inputs: dm", "hand-written",
+                               "hand-written + guard", "dm without guard"], "rows": graph_rows}],
         "notes": ["hand-written: tape; one ReplicaContext.all_reduce(SUM) of all gradients; tf.clip_by_global_norm; "
                   "Adam.apply_gradients with its own all-reduce disabled. hand-written + guard: the same, with the "
                   "update in a tf.cond on the finite norm taken in the cross-replica context (a merge_call), which "
                   "is what dist_minimize's default skip_nonfinite=True does: without it one inf gradient writes NaN "
                   "into every weight. dm without guard: dist_minimize with skip_nonfinite=False. Keras "
                   "global_clipnorm clips each replica's gradients with its own norm before the all-reduce (fast, "
-                  "not correct)."],
+                  "not correct).",
+                  "Second table: nodes of each traced step (its function and the functions it calls) and the "
+                  "inputs of its cond (the guard's tf.cond; '-': none). TensorFlow lowers a cond into a Switch and "
+                  "an Identity per input before it runs the step, so the guard adds about two executed nodes per "
+                  "input on each device: per-replica gradients, and the handles of the weights and of Adam's slots "
+                  "the update reads."],
         "checks": checks, "plot": {"step": plot}}
 
 
