@@ -1,7 +1,7 @@
 """dist_minimize benchmarks: every comparison against its anchor in the same run, as ratios.
 
 Usage (from the repository root):
-  python benchmarks/run.py                      # full run (~15 min on 2 CPUs): RESULTS.md + results.png
+  python benchmarks/run.py                      # full run (~19 min on 2 CPUs): RESULTS.md + results.png
   python benchmarks/run.py --quick --only clip  # a smoke run of one section
   python benchmarks/run.py --out DIR --no-plot  # write elsewhere, without matplotlib
 
