@@ -40,8 +40,8 @@ class HorovodAggregator(Aggregator):
     first (for `"mean"` and `"sum"`) into one flat buffer per dtype of at most
     `bytes_per_pack` bytes: Horovod then reduces a few large tensors instead of many
     small ones, each element exactly as it would alone (measured on 2 processes with
-    200 gradients of 16 KiB: 0.84 of the throughput of one tensor of the same size,
-    against 0.60 unpacked; `benchmarks/RESULTS.md`). A gradient of `bytes_per_pack` or
+    200 gradients of 16 KiB: 0.83 of the throughput of one tensor of the same size,
+    against 0.64 unpacked; `benchmarks/RESULTS.md`). A gradient of `bytes_per_pack` or
     more is sent as it is. Packing holds one extra copy of the packed gradients while
     they are reduced; `bytes_per_pack=0` turns it off.
     `IndexedSlices` (an `Embedding` gradient) are densified first when
