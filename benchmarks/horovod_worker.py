@@ -23,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 import dist_minimize as dm  # noqa: E402
 from benchmarks import _steps, _timing  # noqa: E402
 from benchmarks._steps import CLIP, LR  # noqa: E402
+from dist_minimize.aggregation.horovod import DEFAULT_BYTES_PER_PACK  # noqa: E402
 
 
 class HvdStep:
@@ -72,7 +73,7 @@ class HvdAggregation:
 
     ROUNDS = 5
 
-    def __init__(self, count, size, bytes_per_pack=dm.aggregation.HorovodAggregator().bytes_per_pack):
+    def __init__(self, count, size, bytes_per_pack=DEFAULT_BYTES_PER_PACK):
         self.traces = 0
         self.bytes = 4 * count * size
         self._vars = [tf.Variable(tf.fill([size], float(i + hvd.rank()))) for i in range(count)]

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-from dist_minimize.transforms.base import check_positive_finite
+from dist_minimize.transforms.base import check_nonnegative_int, check_positive_finite
 from dist_minimize.aggregation import packing
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
@@ -96,11 +96,7 @@ class HorovodAggregator(Aggregator):
             raise ValueError(
                 "`gradient_predivide_factor` only applies to reduction='mean'. Received: "
                 f"gradient_predivide_factor={gradient_predivide_factor!r}, reduction={reduction!r}")
-        if isinstance(bytes_per_pack, bool) or not isinstance(bytes_per_pack, int) or bytes_per_pack < 0:
-            raise ValueError(
-                "`bytes_per_pack` must be a non-negative integer (0: no packing). "
-                f"Received: bytes_per_pack={bytes_per_pack!r}")
-        self.bytes_per_pack = bytes_per_pack
+        self.bytes_per_pack = check_nonnegative_int("bytes_per_pack", bytes_per_pack)
         self.reduction = reduction
         self.compression = compression
         self.sparse_as_dense = bool(sparse_as_dense)

@@ -120,7 +120,7 @@ CASES = [
     ("horovod reduction", lambda: dm.aggregation.HorovodAggregator(reduction="max"),
      ValueError, ["reduction='max'"]),
     ("horovod bytes_per_pack negative", lambda: dm.aggregation.HorovodAggregator(bytes_per_pack=-1),
-     ValueError, ["`bytes_per_pack` must be a non-negative integer", "bytes_per_pack=-1"]),
+     ValueError, ["`bytes_per_pack` must be an integer >= 0", "bytes_per_pack=-1"]),
     ("horovod bytes_per_pack not an integer", lambda: dm.aggregation.HorovodAggregator(bytes_per_pack=1.5e6),
      ValueError, ["`bytes_per_pack`", "bytes_per_pack=1500000.0"]),
 ]
