@@ -303,3 +303,40 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
             otherwise()
     else:
         tf.cond(condition, lambda: fn(*args), otherwise)
+
+
+def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Callable | None = None,
+                      updates: Sequence = ()) -> None:
+    """`run_if` for an update made device by device, under a merge-call strategy only.
+
+    In one `merge_call`: the `updates` (as in `run_if`), then, for each of the
+    strategy's devices `i`, on that device and in tf.distribute's update context
+    of `i`: `fn(i, *local_args)` if replica 0's `condition` holds, else
+    `otherwise(i)`. `local_args` is `args` with every per-replica value replaced by its
+    value on device `i`. Each branch is one `If` op on its device that TensorFlow
+    does not lower (`_compat.unlowered_cond`): `fn` must read and write only that
+    device's copies (what `strategy.extended.update` does per device, and what
+    distributed variables resolve to inside the update context) and must not use
+    collectives or `merge_call`.
+
+    Raises:
+      RuntimeError: not in the replica context of a merge-call strategy.
+    """
+    ctx = _merge_call_replica_context()
+    if ctx is None:
+        raise RuntimeError("`run_if_per_device` needs the replica context of a strategy that synchronises "
+                           "through merge_call (MirroredStrategy, MultiWorkerMirroredStrategy); use `run_if`.")
+    otherwise = otherwise if otherwise is not None else (lambda i: None)
+    updates = list(updates)
+
+    def cross_replica(strategy, condition, args, values):
+        _assign_first(strategy, updates, values)
+        agreed = strategy.experimental_local_results(condition)[0]
+        for i, device in enumerate(strategy.extended.worker_devices):
+            local_args = tf.nest.map_structure(
+                lambda a: strategy.experimental_local_results(a)[i]
+                if isinstance(a, tf.distribute.DistributedValues) else a, args)
+            with tf.device(device), _compat.update_context(i):
+                _compat.unlowered_cond(agreed, lambda: fn(i, *local_args), lambda: otherwise(i))
+
+    ctx.merge_call(cross_replica, args=(condition, tuple(args), [value for _, value in updates]))

@@ -35,7 +35,10 @@ HOROVOD_CASES = HOROVOD_MPI_CASES + ["sgd/callable_eager", "adam/callable_eager"
 # "OPT/MODE/CLIP" cases run under MirroredStrategy (2 and 4 replicas).
 MIRRORED_CASES = ([f"{o}/{m}/always" for o in ("sgd", "adam") for m in ("fit", "callable", "tape")]
                   + [f"sgd-0.01/{m}/{c}" for c in ("never", "some") for m in ("fit", "callable", "tape")]
-                  + ["adam/fit_integrated/always", "sgd-0.01/fit_integrated/never", "sgd-0.01/fit_integrated/some"])
+                  + ["adam/fit_integrated/always", "sgd-0.01/fit_integrated/never", "sgd-0.01/fit_integrated/some"]
+                  # Keras's weight decay and a learning-rate schedule (read from the
+                  # iterations), made device by device by the guarded update.
+                  + ["adamw/tape/never", "adamw/fit/some"])
 
 
 # Weight wrappers (issue 10) as the parity tests build them around an optimizer.
@@ -139,8 +142,12 @@ def make_model(keras, seed: int = 1):
 
 
 def make_inner(keras, name: str):
-    """"sgd" (0.1), "adam" (0.01), "momentum", or "NAME-LR" for that learning rate."""
+    """"sgd" (0.1), "adam" (0.01), "momentum", or "NAME-LR" for that learning rate;
+    "adamw": AdamW, weight decay 0.5, learning rate 0.01 halving every step."""
     base, _, lr = name.partition("-")
+    if base == "adamw":
+        schedule = keras.optimizers.schedules.ExponentialDecay(float(lr or 0.01), decay_steps=1, decay_rate=0.5)
+        return keras.optimizers.AdamW(schedule, weight_decay=0.5)
     if base == "sgd":
         return keras.optimizers.SGD(float(lr or 0.1))
     if base == "adam":

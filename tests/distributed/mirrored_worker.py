@@ -37,29 +37,6 @@ def counting_all_reduce(self, *args, **kwargs):
 
 distribute_lib.ReplicaContextBase.all_reduce = counting_all_reduce
 
-results = {}
-keras_refs = {}
-for key in P.MIRRORED_CASES:
-    opt_name, mode, clip = key.split("/")
-    ref, _, _ = P.train(default, opt_name, mode, clip=clip)
-    if (opt_name, clip) not in keras_refs:
-        # Independent reference: stock Keras (its own global_clipnorm) on one device, so a
-        # bug shared by dist_minimize's reference and its distributed run cannot cancel.
-        keras_refs[opt_name, clip], _, _ = P.train(default, opt_name, "fit", clip=clip, use_dm=False)
-    calls["n"] = 0
-    got, opt, _ = P.train(strategy, opt_name, mode, clip=clip, eager=(mode == "callable"))
-    results[key] = {
-        "diff": P.max_abs_diff(ref, got),
-        "keras_diff": P.max_abs_diff(keras_refs[opt_name, clip], got),
-        "all_reduce_calls": calls["n"],
-        "iterations": int(opt.iterations.numpy()),
-        "clipped_steps": P.clipped_steps(opt),
-    }
-for opt_name in ("sgd", "adam"):
-    # Anchor: stock Keras global_clipnorm (clips per replica) must NOT match.
-    ref, _, _ = P.train(default, opt_name, "fit", use_dm=False)
-    got, _, _ = P.train(strategy, opt_name, "fit", use_dm=False)
-    results[f"{opt_name}/keras_anchor"] = {"diff": P.max_abs_diff(ref, got)}
 
 def copies_agree(variables) -> bool:
     """Every replica holds the same value of each (non replica-local) variable."""
@@ -72,6 +49,31 @@ def copies_agree(variables) -> bool:
             return False
     return True
 
+
+results = {}
+keras_refs = {}
+for key in P.MIRRORED_CASES:
+    opt_name, mode, clip = key.split("/")
+    ref, _, _ = P.train(default, opt_name, mode, clip=clip)
+    if (opt_name, clip) not in keras_refs:
+        # Independent reference: stock Keras (its own global_clipnorm) on one device, so a
+        # bug shared by dist_minimize's reference and its distributed run cannot cancel.
+        keras_refs[opt_name, clip], _, _ = P.train(default, opt_name, "fit", clip=clip, use_dm=False)
+    calls["n"] = 0
+    got, opt, model = P.train(strategy, opt_name, mode, clip=clip, eager=(mode == "callable"))
+    results[key] = {
+        "diff": P.max_abs_diff(ref, got),
+        "keras_diff": P.max_abs_diff(keras_refs[opt_name, clip], got),
+        "all_reduce_calls": calls["n"],
+        "iterations": int(opt.iterations.numpy()),
+        "clipped_steps": P.clipped_steps(opt),
+        "copies_agree": copies_agree(list(opt.variables) + list(model.trainable_variables)),
+    }
+for opt_name in ("sgd", "adam"):
+    # Anchor: stock Keras global_clipnorm (clips per replica) must NOT match.
+    ref, _, _ = P.train(default, opt_name, "fit", use_dm=False)
+    got, _, _ = P.train(strategy, opt_name, "fit", use_dm=False)
+    results[f"{opt_name}/keras_anchor"] = {"diff": P.max_abs_diff(ref, got)}
 
 # Weight wrappers (issue 10), alone and all stacked: SGD with the clip firing on some
 # steps (an unclipped SGD step is proportional to the gradient's scale). Weights, every

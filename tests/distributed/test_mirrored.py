@@ -38,6 +38,7 @@ def test_matches_single_device(n, case):
     assert r["diff"] <= 1e-6, r
     assert r["iterations"] == P.STEPS
     assert r["clipped_steps"] == P.CLIPPED_STEPS[case.split("/")[2]], r
+    assert r["copies_agree"], r  # every device's copy of every weight and slot, not only the first
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -5,6 +5,8 @@ fails, naming the internal, when a Keras or TensorFlow release moves it."""
 import os
 
 import keras
+import numpy as np
+import pytest
 import tensorflow as tf
 
 from conftest import requires_horovod
@@ -204,3 +206,143 @@ def test_tensorflow_server_def_still_has_no_bind_address():
     fields = {f.name for f in tf.train.ServerDef.DESCRIPTOR.fields}
     assert "port" in fields
     assert not [f for f in fields if any(w in f for w in ("addr", "host", "bind", "interface"))], fields
+
+
+# -- the per-device update (the non-finite guard under merge-call strategies) ------------
+
+
+def _per_device_setup(make_opt, strategy):
+    with strategy.scope():
+        variables = [keras.Variable([[1.0, -2.0], [0.5, 3.0]], name="kernel"),
+                     keras.Variable([0.25, -0.75], name="bias")]
+        opt = make_opt()
+        _compat.disable_keras_all_reduce(opt)
+        opt.build(variables)
+    return variables, opt
+
+
+def _replica_grads(step):
+    """Different gradients on each replica, so a device that got another's shows."""
+    rid = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+    scale = (1.0 + rid) * (1.0 + tf.cast(step, tf.float32))
+    return [tf.constant([[0.3, -0.1], [0.2, 0.4]]) * scale, tf.constant([-0.5, 0.7]) * scale]
+
+
+def _copies(values, strategy):
+    return [[np.array(c) for c in strategy.experimental_local_results(v.value if isinstance(v, keras.Variable) else v)]
+            for v in values]
+
+
+PER_DEVICE_OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.1),
+    "adamw_excluding_bias": lambda: _excluding_bias(keras.optimizers.AdamW(0.1, weight_decay=0.2)),
+    "sgd_momentum_schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5), momentum=0.9),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.05),
+}
+
+
+def _excluding_bias(opt):
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    return opt
+
+
+@pytest.mark.parametrize("name", sorted(PER_DEVICE_OPTIMIZERS))
+def test_keras_apply_on_device_makes_the_writes_of_keras_apply(name):
+    """`keras_apply_on_device`, device by device in the cross-replica context, leaves every
+    device's copy of the weights, the slots and the iterations exactly as Keras's own
+    `apply` does from the replica context, each replica with its own gradients (3 steps).
+    Fails when a Keras release changes what its `apply` does for a plain optimizer."""
+    from conftest import mirrored_strategy
+
+    s = mirrored_strategy()
+    assert _compat.keras_apply_on_device_blocker(PER_DEVICE_OPTIMIZERS[name](), []) is None
+    ref_vars, ref_opt = _per_device_setup(PER_DEVICE_OPTIMIZERS[name], s)
+    vars_, opt = _per_device_setup(PER_DEVICE_OPTIMIZERS[name], s)
+
+    @tf.function
+    def keras_step(step):
+        s.run(lambda: ref_opt.apply(_replica_grads(step), ref_vars))
+
+    @tf.function
+    def device_step(step):
+        def replica():
+            grads = _replica_grads(step)
+
+            def cross(strategy, grads):
+                for i, device in enumerate(strategy.extended.worker_devices):
+                    with tf.device(device), _compat.update_context(i):
+                        local = [strategy.experimental_local_results(g)[i] for g in grads]
+                        _compat.keras_apply_on_device(opt, strategy, i, local, vars_)
+
+            tf.distribute.get_replica_context().merge_call(cross, args=(grads,))
+        s.run(replica)
+
+    for step in range(3):
+        keras_step(tf.constant(step))
+        device_step(tf.constant(step))
+    got, want = _copies(vars_ + opt.variables, s), _copies(ref_vars + ref_opt.variables, s)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(got[0][0], got[0][1])  # the devices' gradients differed, and so do the copies
+    assert [int(c) for c in _copies([opt.iterations], s)[0]] == [3, 3]
+
+
+def test_keras_apply_on_device_blocker_names_what_changes_keras_apply():
+    v = keras.Variable([1.0], name="w")
+    constrained = keras.Variable([1.0], name="c")
+    constrained.constraint = keras.constraints.NonNeg()  # as Layer.add_weight(constraint=...) sets it
+    blocked = {
+        "Nadam": (keras.optimizers.Nadam(0.1), [(tf.ones([1]), v)]),
+        "LossScaleOptimizer": (keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)), [(tf.ones([1]), v)]),
+        "clipnorm": (keras.optimizers.SGD(0.1, clipnorm=1.0), [(tf.ones([1]), v)]),
+        "use_ema": (keras.optimizers.SGD(0.1, use_ema=True), [(tf.ones([1]), v)]),
+        "no gradient": (keras.optimizers.SGD(0.1), [(None, v)]),
+        "constraint": (keras.optimizers.SGD(0.1), [(tf.ones([1]), constrained)]),
+    }
+    for what, (opt, grads_and_vars) in blocked.items():
+        reason = _compat.keras_apply_on_device_blocker(opt, grads_and_vars)
+        assert reason is not None, what
+    assert _compat.keras_apply_on_device_blocker(keras.optimizers.Adam(0.1), [(tf.ones([1]), v)]) is None
+
+
+def test_update_context_routes_distributed_variable_writes_to_one_device():
+    from conftest import mirrored_strategy
+
+    s = mirrored_strategy()
+    with s.scope():
+        v = tf.Variable([0.0, 0.0])
+
+    @tf.function
+    def step():
+        def replica():
+            def cross(strategy):
+                with tf.device(strategy.extended.worker_devices[1]), _compat.update_context(1):
+                    v.assign_add([1.0, 2.0])
+            tf.distribute.get_replica_context().merge_call(cross)
+        s.run(replica)
+
+    step()
+    a, b = [np.array(c) for c in s.experimental_local_results(v)]
+    np.testing.assert_array_equal(a, [0.0, 0.0])
+    np.testing.assert_array_equal(b, [1.0, 2.0])
+
+
+def test_unlowered_cond_keeps_its_if_op_and_takes_each_branch():
+    v = tf.Variable(0.0)
+
+    def add(amount):
+        v.assign_add(amount)
+
+    @tf.function
+    def step(pred):
+        _compat.unlowered_cond(pred, lambda: add(1.0), lambda: add(10.0))
+
+    step(tf.constant(True))
+    step(tf.constant(False))
+    assert float(v.numpy()) == 11.0
+    graph = step.get_concrete_function(tf.constant(True)).graph
+    ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    assert len(ifs) == 1 and ifs[0].get_attr("_lower_using_switch_merge") is False
