@@ -35,6 +35,8 @@ PROCESSES = "tests/distributed/test_processes.py"
 SECURITY = "tests/distributed/test_security.py::test_a_local_job_listens_on_loopback_only"
 HOROVOD_PARITY = f"{HOROVOD}::test_parity_with_single_device"
 DP_NOISE = f"{MIRRORED}::test_differential_privacy_noise_does_not_grow_with_replicas"
+MIRRORED_INPROCESS = "tests/distributed/test_mirrored_inprocess.py"
+MIRRORED_PERDEVICE = "tests/unit/test_compat_canaries.py::test_keras_apply_on_device_makes_the_writes_of_keras_apply"
 DP_NOISE_HOROVOD = f"{HOROVOD}::test_differential_privacy_noise_under_horovod"
 
 
@@ -169,6 +171,31 @@ MUTATIONS = [
              'LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader"))',
              'LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader,tcp"))',
              [f"{SECURITY}[mpirun]", "tests/unit/test_launcher_cluster.py::test_local_plans_bind_loopback"]),
+    Mutation("per-device-no-weight-decay", "the per-device guarded update leaves out Keras's weight decay",
+             "dist_minimize/_compat.py",
+             "    if optimizer.weight_decay is not None:\n        for variable in local:",
+             "    if False:\n        for variable in local:",
+             [MIRRORED_PERDEVICE, f"{MIRRORED}::test_matches_single_device"]),
+    Mutation("per-device-no-iterations", "the per-device guarded update does not count the iteration",
+             "dist_minimize/_compat.py",
+             "    strategy.experimental_local_results(optimizer.iterations.value)[index].assign_add(1)",
+             "    pass",
+             [MIRRORED_PERDEVICE, MIRRORED_INPROCESS]),
+    Mutation("per-device-ignores-guard", "the per-device update is made whether or not the step is finite",
+             "dist_minimize/distribute.py",
+             "                _compat.unlowered_cond(agreed, ",
+             "                _compat.unlowered_cond(tf.constant(True), ",
+             [MIRRORED_INPROCESS]),
+    Mutation("per-device-first-device-only", "every device's update is made on the first device's copies",
+             "dist_minimize/distribute.py",
+             "            with tf.device(device), _compat.update_context(i):",
+             "            with tf.device(device), _compat.update_context(0):",
+             [MIRRORED_INPROCESS, f"{MIRRORED}::test_matches_single_device"]),
+    Mutation("per-device-skip-uncounted", "a step the per-device update skips is not counted in skipped_steps",
+             "dist_minimize/optimizer.py",
+             "            strategy.experimental_local_results(skipped.value)[i].assign_add(1)",
+             "            pass",
+             [MIRRORED_INPROCESS]),
 ]
 
 
