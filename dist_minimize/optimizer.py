@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from typing import Any, Callable, Sequence
 
 import keras
@@ -291,27 +292,55 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
             distribute.flush_updates(pending)
             top._apply_and_notify(grads_and_vars)
             return
-        per_device = top._per_device_update(grads_and_vars) if distribute.uses_merge_call() else None
-        if per_device is not None:
-            apply_on, skip_on = per_device
+        if distribute.uses_merge_call() and top._per_device_ok(grads_and_vars):
+            variables = [v for _, v in grads_and_vars]
+            _compat.check_variables_are_known(top.stack()[-1].inner_optimizer, variables)
+
+            def apply_on(index, grads):
+                with _on_device(index):
+                    top._apply_and_notify(list(zip(grads, variables)))
+
+            def skip_on(index):
+                with _on_device(index):
+                    top._notify_skipped()
+
             distribute.run_if_per_device(condition, apply_on, args=([g for g, _ in grads_and_vars],),
                                          otherwise=skip_on, updates=pending)
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
                               otherwise=top._notify_skipped, updates=pending)
 
-    def _per_device_update(self, grads_and_vars: list) -> tuple[Callable, Callable] | None:
-        """The step's update as `(apply_on(i, grads), skip_on(i))` functions of one
-        device, when this optimizer can make it device by device under a merge-call
-        strategy (`distribute.run_if_per_device`); None: through `run_if`.
+    # The step hooks run inside the update's branch, and which classes of this package
+    # define them so that they may run device by device (`_per_device_ok`).
+    _STEP_HOOKS = ("apply_updates", "on_applied", "on_skipped", "_apply_and_notify", "_notify_skipped")
+    _dm_per_device_hooks = True
+
+    def _per_device_ok(self, grads_and_vars: list) -> bool:
+        """Whether this stack's update can be made device by device under a merge-call
+        strategy (`distribute.run_if_per_device`), instead of by `run_if`.
 
         Why: `run_if` takes its branch once in the cross-replica context, and TensorFlow
         lowers that multi-device `tf.cond` into a Switch and an Identity per input per
         device (about 800 at 100 variables on 2 devices: a 1.13x step). One unlowered
         cond per device holds the same update and costs one kernel each.
-        Default: None (wrappers' `on_applied` may synchronise; they use `run_if`).
+
+        Yes when every step hook of every optimizer in the stack is one of this
+        package's (they read and write variables only, which inside tf.distribute's
+        update context of a device reach that device's copies; their `run_if` and
+        `flush_updates` then act on that device alone), and the Keras update rule at the
+        bottom keeps Keras's own `apply` path (`_compat.keras_apply_on_device_blocker`).
+        A hook overridden outside this package (which may synchronise) keeps `run_if`.
         """
-        return None
+        stack = self.stack()
+        for opt in stack:
+            for hook in self._STEP_HOOKS:
+                owner = next(c for c in type(opt).__mro__ if hook in c.__dict__)
+                if not owner.__dict__.get("_dm_per_device_hooks", False):
+                    return False
+        bottom = stack[-1]
+        if not isinstance(bottom, Optimizer):
+            return False
+        return _compat.keras_apply_on_device_blocker(bottom.inner_optimizer, grads_and_vars) is None
 
     def update_condition(self, grads_and_vars: list) -> tf.Tensor | None:
         """Whether this step's update is applied: a scalar bool tensor, or None for "always".
@@ -698,6 +727,23 @@ def _check_inner(optimizer: Any) -> keras.optimizers.Optimizer:
     return optimizer
 
 
+class _OnDevice(threading.local):
+    index: int | None = None
+
+
+# The device whose copies the update being traced writes (per-device update), or None.
+_ON_DEVICE = _OnDevice()
+
+
+@contextlib.contextmanager
+def _on_device(index: int):
+    previous, _ON_DEVICE.index = _ON_DEVICE.index, index
+    try:
+        yield
+    finally:
+        _ON_DEVICE.index = previous
+
+
 @keras.saving.register_keras_serializable(package="dist_minimize")
 class Optimizer(StagedOptimizer):
     """RFC 234's customizable optimizer around a Keras 3 update rule.
@@ -760,6 +806,8 @@ class Optimizer(StagedOptimizer):
       ...         keras.optimizers.Adam(1e-3),
       ...         transform_gradients=dist_minimize.clip_by_global_norm(1.0)))
     """
+
+    _dm_per_device_hooks = True
 
     def __new__(cls, *args, **kwargs):
         # A Keras setting that becomes a wrapper (use_ema, gradient_accumulation_steps,
@@ -851,7 +899,14 @@ class Optimizer(StagedOptimizer):
 
     def apply_updates(self, grads_and_vars):
         """Applies the gradients with the inner Keras optimizer's update rule (no all-reduce)."""
-        self.inner_optimizer.apply_gradients(grads_and_vars)
+        device = _ON_DEVICE.index
+        if device is None:
+            self.inner_optimizer.apply_gradients(grads_and_vars)
+            return
+        # Inside the per-device update (`StagedOptimizer._per_device_ok`): what Keras's
+        # `apply` makes on every device, made on this one.
+        _compat.keras_apply_on_device(self.inner_optimizer, tf.distribute.get_strategy(), device,
+                                      [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
 
     # -- state ---------------------------------------------------------------------------
 
@@ -890,31 +945,6 @@ class Optimizer(StagedOptimizer):
     def on_skipped(self):
         """Counts the skipped step in `skipped_steps`."""
         self._skipped_steps.assign_add(1)
-
-    def _per_device_update(self, grads_and_vars):
-        """Device by device when this `Optimizer` is the whole stack, its step is the
-        stock one and the Keras update rule keeps Keras's own `apply` path
-        (`_compat.keras_apply_on_device_blocker`); else None (`run_if`)."""
-        stock = all(getattr(type(self), name) is getattr(Optimizer, name)
-                    for name in ("apply_updates", "on_applied", "on_skipped", "_apply_and_notify",
-                                 "_notify_skipped", "stack"))
-        if not stock or len(self.stack()) != 1:
-            return None
-        inner = self.inner_optimizer
-        if _compat.keras_apply_on_device_blocker(inner, grads_and_vars) is not None:
-            return None
-        variables = [v for _, v in grads_and_vars]
-        _compat.check_variables_are_known(inner, variables)
-        strategy = tf.distribute.get_strategy()
-        skipped = self._skipped_steps
-
-        def apply_on(i, grads):
-            _compat.keras_apply_on_device(inner, strategy, i, grads, variables)
-
-        def skip_on(i):
-            strategy.experimental_local_results(skipped.value)[i].assign_add(1)
-
-        return apply_on, skip_on
 
     def gradient_stats(self) -> dict:
         """Current statistics of every stateful transform, plus `skipped_steps`."""

@@ -31,6 +31,10 @@ class Lookahead(OptimizerWrapper):
         Lookahead in the stack.
     """
 
+    # Its step hooks only read and write variables: they may run device by device
+    # (`StagedOptimizer._per_device_ok`).
+    _dm_per_device_hooks = True
+
     once_per_stack = True
 
     def __init__(self, optimizer: StagedOptimizer, sync_period: int = 6, slow_step_size: float = 0.5,

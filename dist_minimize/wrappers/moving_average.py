@@ -51,6 +51,10 @@ class MovingAverage(AveragingWrapper):
         `overwrite_frequency` < 1, or a second MovingAverage in the stack.
     """
 
+    # Its step hooks only read and write variables: they may run device by device
+    # (`StagedOptimizer._per_device_ok`).
+    _dm_per_device_hooks = True
+
     def __init__(self, optimizer: StagedOptimizer, average_decay: float = 0.99, dynamic_decay: bool = False,
                  start_step: int = 0, overwrite_frequency: int | None = None, assign_on_finalize: bool = False,
                  name: str | None = None):

@@ -42,6 +42,10 @@ class DecoupledWeightDecay(OptimizerWrapper):
       TypeError: a pattern that is not a string.
     """
 
+    # Its step hooks only read and write variables: they may run device by device
+    # (`StagedOptimizer._per_device_ok`).
+    _dm_per_device_hooks = True
+
     once_per_stack = True
 
     def __init__(self, optimizer: StagedOptimizer, weight_decay, exclude_from_weight_decay: Sequence[str] | None = None,
