@@ -192,9 +192,14 @@ MUTATIONS = [
              "            with tf.device(device), _compat.update_context(0):",
              [MIRRORED_INPROCESS, f"{MIRRORED}::test_matches_single_device"]),
     Mutation("per-device-skip-uncounted", "a step the per-device update skips is not counted in skipped_steps",
+             "dist_minimize/distribute.py",
+             "lambda: fn(i, *local_args), lambda: otherwise(i))",
+             "lambda: fn(i, *local_args), lambda: None)",
+             [MIRRORED_INPROCESS]),
+    Mutation("per-device-any-hook", "a stack with a user's step hook is updated device by device too",
              "dist_minimize/optimizer.py",
-             "            strategy.experimental_local_results(skipped.value)[i].assign_add(1)",
-             "            pass",
+             '                if not owner.__dict__.get("_dm_per_device_hooks", False):\n                    return False',
+             '                if not owner.__dict__.get("_dm_per_device_hooks", False):\n                    pass',
              [MIRRORED_INPROCESS]),
 ]
 
