@@ -106,13 +106,16 @@ class Step:
     def graph_stats(self) -> dict:
         """Size of the traced step (public graph API; the trace made by `run`, not a new one):
         `nodes` (the function and every function it calls, cond branches included) and
-        `cond_inputs`, the inputs of each `If` in the step's own graph. When it runs the
-        step, TensorFlow lowers each `If` into a Switch (and an Identity) per input."""
+        `cond_inputs`, the inputs of each `If` in the step's own graph, and
+        `cond_lowered`, whether TensorFlow lowers each into a Switch (and an Identity)
+        per input when it runs the step (the default) or runs it whole."""
         graph = self._step.get_concrete_function(*self._batch).graph
         graph_def = graph.as_graph_def()
         nodes = len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
-        conds = [len(op.inputs) for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
-        return {"nodes": nodes, "cond_inputs": conds}
+        ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        lowered = [op.node_def.attr["_lower_using_switch_merge"].b if "_lower_using_switch_merge" in op.node_def.attr
+                   else True for op in ifs]
+        return {"nodes": nodes, "cond_inputs": [len(op.inputs) for op in ifs], "cond_lowered": lowered}
 
 
 def disabled_all_reduce(keras_opt):

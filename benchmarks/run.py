@@ -103,8 +103,7 @@ def section_step(ctx):
                             "guard", r["hand_clip_guard"], STEP_TARGET))
         plot.append((label, r))
         stats = {k: built[k].graph_stats() for k in kinds[:4]}
-        graph_rows.append([label, nvars] + [f"{stats[k]['nodes']} / {'+'.join(map(str, stats[k]['cond_inputs'])) or '-'}"
-                                            for k in kinds[:4]])
+        graph_rows.append([label, nvars] + [f"{stats[k]['nodes']} / {_conds(stats[k])}" for k in kinds[:4]])
     return {
         "title": "1. MirroredStrategy, 2 logical CPUs: dist_minimize (Adam + cross-replica clip) against the anchors",
         "tables": [{"header": ["model", "variables", "global batch", "dm ms/step", "hand ms/step",
@@ -115,14 +114,16 @@ def section_step(ctx):
                                "hand-written + guard", "dm without guard"], "rows": graph_rows}],
         "notes": ["hand-written: tape; one ReplicaContext.all_reduce(SUM) of all gradients; tf.clip_by_global_norm; "
                   "Adam.apply_gradients with its own all-reduce disabled. hand-written + guard: the same, with the "
-                  "update in a tf.cond on the finite norm taken in the cross-replica context (a merge_call), which "
-                  "is what dist_minimize's default skip_nonfinite=True does: without it one inf gradient writes NaN "
-                  "into every weight. dm without guard: dist_minimize with skip_nonfinite=False. Keras "
+                  "update in a tf.cond on the finite norm taken in the cross-replica context (a merge_call): the skip "
+                  "that dist_minimize's default skip_nonfinite=True makes (without it one inf gradient writes NaN "
+                  "into every weight), as a hand-written step would write it; dist_minimize takes it with one "
+                  "unlowered cond per device. dm without guard: dist_minimize with skip_nonfinite=False. Keras "
                   "global_clipnorm clips each replica's gradients with its own norm before the all-reduce (fast, "
                   "not correct).",
                   "Second table: nodes of each traced step (its function and the functions it calls) and the "
-                  "inputs of its cond (the guard's tf.cond; '-': none). TensorFlow lowers a cond into a Switch and "
-                  "an Identity per input before it runs the step, so the guard adds about two executed nodes per "
+                  "inputs of its conds (the guard's; '-': none; 'whole': TensorFlow runs that cond as one op, "
+                  "dist_minimize's one per device). TensorFlow lowers a cond into a Switch and "
+                  "an Identity per input before it runs the step, so a lowered guard adds about two executed nodes per "
                   "input on each device: per-replica gradients, and the handles of the weights and of Adam's slots "
                   "the update reads."],
         "checks": checks, "plot": {"step": plot}}
@@ -149,7 +150,7 @@ def section_clip(ctx):
                                "guard cost, no clip (on / off)", "dm no clip / Keras no clip"], "rows": rows}],
         "notes": ["guard = skip_nonfinite=True (default): with the clipper the finite flag comes from the norm "
                   "(no second pass over the gradients); without it, one all_finite pass. Either way the update "
-                  "runs in one agreed tf.cond."],
+                  "runs in one agreed, unlowered tf.cond per device."],
         "checks": checks}
 
 
@@ -486,6 +487,12 @@ def write_plot(path, results):
     ax.set_title("7. wrapper / hand-written, step-time ratio")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+
+
+def _conds(stats: dict) -> str:
+    """'-', or each cond's inputs ('+'), marked 'whole' where TensorFlow does not lower it."""
+    parts = [f"{n}" + ("" if lowered else " whole") for n, lowered in zip(stats["cond_inputs"], stats["cond_lowered"])]
+    return " + ".join(parts) or "-"
 
 
 def report(results, argv, header_notes):
