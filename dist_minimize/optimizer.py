@@ -264,8 +264,11 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         `top.run_update(...)`; by default it is the update itself: `aggregate_gradients`
         (when `aggregate`), `transform_gradients`, then `apply_updates` if
         `top.update_condition(...)` holds, followed by `on_applied` (or `on_skipped`)
-        on every optimizer of the stack. Wrappers pass the call inward, so a wrapper
-        that changes WHEN the update happens (gradient accumulation) overrides this and
+        on every optimizer of the stack. Under MirroredStrategy and
+        MultiWorkerMirroredStrategy that branch is one unlowered cond per device when
+        the whole stack allows it (`_per_device_ok`), else `run_if`'s one cond.
+        Wrappers pass the call inward, so a wrapper that changes WHEN the update
+        happens (gradient accumulation) overrides this and
         calls `super().run_update(...)` under `dist_minimize.distribute.run_if`.
 
         Args:
@@ -368,9 +371,11 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         """Called after a skipped update (`update_condition` was false), on every
         optimizer of the stack, innermost first.
 
-        Under merge-call strategies it runs once, in the cross-replica context: update
-        only replicated variables here (`add_variable(..., aggregation=
-        "only_first_replica")`, `add_slot`), not replica-local ones. Default: nothing
+        Under merge-call strategies it runs once, in the cross-replica context (for a
+        stack updated device by device, see `run_update`: once per device, where each
+        variable write reaches that device's copy): update only replicated variables
+        here (`add_variable(..., aggregation="only_first_replica")`, `add_slot`), not
+        replica-local ones. Default: nothing
         (`Optimizer` counts the skip in `skipped_steps`).
         """
         return None
