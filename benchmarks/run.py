@@ -19,7 +19,6 @@ import math
 import os
 import platform
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -353,8 +352,9 @@ def _run_group(cmd, timeout):
     try:
         out, _ = proc.communicate(timeout=timeout)
     except BaseException:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # horovodrun starts its ranks in sessions of their own: stop the whole tree.
+        from dist_minimize import launcher
+        launcher._stop([proc], grace=2.0)
         raise
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} exited with {proc.returncode}:\n{out[-3000:]}")

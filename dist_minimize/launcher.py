@@ -223,7 +223,7 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
         return [(program + ["--replicas", str(np)], env)]
     # multiworker: every worker runs on this host; other hosts start theirs with the same
     # TF_CONFIG cluster (see the README's recipe).
-    if any(h not in ("localhost", "127.0.0.1") for h, _ in slots):
+    if not is_local(slots):
         raise ValueError("The multiworker launcher starts workers on this host only; on a cluster, "
                          "start one worker per host with the TF_CONFIG recipe. Received: "
                          f"hosts={host_arg}")

@@ -2,12 +2,18 @@
 RESULTS.md and its JSON, and every ratio it reports is a finite positive number. It
 measures nothing (the figures of a --quick run mean nothing; see benchmarks/RESULTS.md)."""
 
+import importlib.util
 import json
 import math
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 
 import proc
+from dist_minimize import launcher
 
 pytestmark = pytest.mark.distributed
 
@@ -23,3 +29,26 @@ def test_quick_run_writes_finite_ratios(tmp_path):
     checks = section["checks"]
     assert checks and all(math.isfinite(c["median"]) and c["median"] > 0 for c in checks), checks
     assert "Targets" in out
+
+
+def test_a_timed_out_section_leaves_no_process(tmp_path):
+    # horovodrun starts its ranks in sessions of their own; a section that times out
+    # must stop them too, not only the launcher's group.
+    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(proc.ROOT, "benchmarks", "run.py"))
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    pidfile = tmp_path / "pid"
+    script = f"setsid sleep 300 & echo $! > {pidfile}; sleep 300"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run._run_group(["bash", "-c", script], timeout=3)
+    pid = int(pidfile.read_text())
+    stat = launcher._stat(pid)
+    tree = {pid: stat[19]} if stat else {}
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and launcher._alive(tree):
+            time.sleep(0.1)
+        assert not launcher._alive(tree), f"pid {pid} outlived the section"
+    finally:
+        for left in launcher._alive(tree):
+            launcher._kill(left, signal.SIGKILL)

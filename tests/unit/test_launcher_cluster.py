@@ -38,6 +38,13 @@ def test_multiworker_plan_writes_tf_config_per_worker():
         assert cluster.discover({"TF_CONFIG": env["TF_CONFIG"]}).rank == i
 
 
+def test_multiworker_plan_accepts_every_loopback_name():
+    # The same hosts `is_local` calls this machine (Debian names the host 127.0.1.1).
+    for hosts in ("127.0.1.1:3", "localhost:1,127.0.0.1:2"):
+        steps = launcher.plan("multiworker", 3, ["t.py"], hosts=hosts, port=23456, python="py")
+        assert len(steps) == 3, hosts
+
+
 def test_mirrored_plan_is_one_process():
     [(cmd, env)] = launcher.plan("mirrored", 4, ["t.py"], python="py")
     assert cmd == ["py", "t.py", "--replicas", "4"] and env == {}
