@@ -349,7 +349,7 @@ def update_context(index: int):
     return distribute_lib.UpdateContext(index)
 
 
-def unlowered_cond(pred: tf.Tensor, true_fn, false_fn) -> None:
+def unlowered_cond(pred: tf.Tensor, true_fn, false_fn, device: str | None = None) -> bool:
     """`tf.cond(pred, true_fn, false_fn)` kept as one `If` op when executed.
 
     Inside `tf.function`, TensorFlow lowers every `If` into a Switch and an Identity
@@ -357,10 +357,19 @@ def unlowered_cond(pred: tf.Tensor, true_fn, false_fn) -> None:
     so that parts of the branches can run on several devices. An `If` whose inputs
     all live on one device does not need it; kept whole it costs one kernel launch
     instead of hundreds. The attribute is private; eagerly this is a plain branch.
+
+    With `device`, the `If` is kept whole only when every resource it reads or writes
+    lives on `device`: TensorFlow cannot place one op on resources of two devices
+    (e.g. a learning-rate callable reading a variable made outside `strategy.scope()`,
+    on another device than this branch's copies). Otherwise it is lowered as any
+    `tf.cond`: the same result, at the usual cost.
+
+    Returns:
+      Whether the cond is kept whole (True eagerly).
     """
     if tf.executing_eagerly():
         (true_fn if bool(pred) else false_fn)()
-        return
+        return True
     from tensorflow.core.framework import attr_value_pb2
 
     graph = tf.compat.v1.get_default_graph()
@@ -371,4 +380,42 @@ def unlowered_cond(pred: tf.Tensor, true_fn, false_fn) -> None:
         raise RuntimeError(
             f"This TensorFlow ({tf.__version__}) builds tf.cond differently ({[op.type for op in made]}); "
             "dist_minimize cannot keep its per-device update in one op. Supported: TensorFlow 2.16-2.21.")
+    if device is not None and not resources_on(made[0].inputs, device):
+        return False
     made[0]._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
+    return True
+
+
+def resources_on(tensors, device: str) -> bool:
+    """Whether every resource tensor among `tensors` is a handle to a resource on
+    `device` (a resource whose device cannot be told counts as elsewhere).
+
+    Inside `tf.function` a variable's handle is a placeholder standing for a handle
+    captured from outside; it is followed, through every enclosing function graph
+    (`FuncGraph.captures`, private), to the handle it stands for, which has the
+    resource's device.
+    """
+    want = tf.DeviceSpec.from_string(device)
+    captured: dict = {}  # graph -> {id(placeholder): captured tensor}
+    for t in tensors:
+        if t.dtype != tf.resource:
+            continue
+        while tf.is_symbolic_tensor(t) and t.op.type == "Placeholder":
+            graph = t.graph
+            if graph not in captured:
+                captured[graph] = {id(inner): outer for outer, inner in getattr(graph, "captures", ())}
+            outer = captured[graph].get(id(t))
+            if outer is None:
+                break
+            t = outer
+        if not t.device or not _same_device(tf.DeviceSpec.from_string(t.device), want):
+            return False
+    return True
+
+
+def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:
+    """Whether two device specs can name the same device (a field either leaves open matches)."""
+    for x, y in ((a.job, b.job), (a.replica, b.replica), (a.task, b.task), (a.device_index, b.device_index)):
+        if x is not None and y is not None and x != y:
+            return False
+    return a.device_type is None or b.device_type is None or a.device_type.upper() == b.device_type.upper()

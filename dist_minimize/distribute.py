@@ -21,6 +21,7 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
+import keras
 import tensorflow as tf
 
 from dist_minimize import _compat
@@ -305,6 +306,18 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
         tf.cond(condition, lambda: fn(*args), otherwise)
 
 
+def has_copy_per_device(variables: Sequence) -> bool:
+    """Whether each variable has one copy on each of the current strategy's devices
+    (mirrored variables do; a CentralStorageStrategy variable has one copy in all)."""
+    strategy = tf.distribute.get_strategy()
+    devices = len(strategy.extended.worker_devices)
+    for v in variables:
+        v = v.value if isinstance(v, keras.Variable) else v
+        if len(strategy.experimental_local_results(v)) != devices:
+            return False
+    return True
+
+
 def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Callable | None = None,
                       updates: Sequence = ()) -> None:
     """`run_if` for an update made device by device, under a merge-call strategy only.
@@ -314,8 +327,9 @@ def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), othe
     of `i`: `fn(i, *local_args)` if replica 0's `condition` holds, else
     `otherwise(i)`. `local_args` is `args` with every per-replica value replaced by its
     value on device `i`. Each branch is one `If` op on its device that TensorFlow
-    does not lower (`_compat.unlowered_cond`): `fn` must read and write only that
-    device's copies (what `strategy.extended.update` does per device, and what
+    does not lower (`_compat.unlowered_cond`; lowered after all if it reads a resource
+    of another device, such as a variable made outside the strategy's scope): `fn` must
+    read and write only that device's copies (what `strategy.extended.update` does per device, and what
     distributed variables resolve to inside the update context) and must not use
     collectives or `merge_call`.
 
@@ -337,6 +351,6 @@ def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), othe
                 lambda a: strategy.experimental_local_results(a)[i]
                 if isinstance(a, tf.distribute.DistributedValues) else a, args)
             with tf.device(device), _compat.update_context(i):
-                _compat.unlowered_cond(agreed, lambda: fn(i, *local_args), lambda: otherwise(i))
+                _compat.unlowered_cond(agreed, lambda: fn(i, *local_args), lambda: otherwise(i), device)
 
     ctx.merge_call(cross_replica, args=(condition, tuple(args), [value for _, value in updates]))

@@ -59,6 +59,34 @@ def _keras_setting_property(setting: str) -> property:
     return property(get, set, doc=f"Keras's `{setting}`, as the stack applies it (read-only).")
 
 
+
+# What a class outside this package may define on an optimizer of a stack that is still
+# updated device by device: the stages that run before the update, and set-up. Any other
+# method (a step hook, or a helper one of this package's hooks calls, such as
+# MovingAverage.decay_at) may synchronise, which a per-device branch cannot hold.
+_PRE_UPDATE_METHODS = frozenset((
+    "__init__", "__repr__", "transform_loss", "get_gradients", "transform_unaggregated_gradients",
+    "aggregate_gradients", "transform_gradients", "update_condition", "build", "build_state",
+    "check_stack", "get_config", "from_config", "finalize_variable_values"))
+
+
+def _user_overrides_fit_per_device(cls: type) -> bool:
+    """Whether the classes of `cls`'s MRO before this package's own define only
+    `_PRE_UPDATE_METHODS` (or declare `_dm_per_device_hooks` themselves)."""
+    for c in cls.__mro__:
+        if c.__module__.split(".")[0] == "dist_minimize":
+            return True
+        if "_dm_per_device_hooks" in c.__dict__:
+            return bool(c.__dict__["_dm_per_device_hooks"])
+        for name, value in c.__dict__.items():
+            if name in _PRE_UPDATE_METHODS or (name.startswith("__") and name.endswith("__")
+                                                and name not in ("__getattr__", "__getattribute__")):
+                continue
+            if callable(value) or isinstance(value, (property, staticmethod, classmethod)):
+                return False
+    return True
+
+
 class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
@@ -330,9 +358,12 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         Yes when every step hook of every optimizer in the stack is one of this
         package's (they read and write variables only, which inside tf.distribute's
         update context of a device reach that device's copies; their `run_if` and
-        `flush_updates` then act on that device alone), and the Keras update rule at the
-        bottom keeps Keras's own `apply` path (`_compat.keras_apply_on_device_blocker`).
-        A hook overridden outside this package (which may synchronise) keeps `run_if`.
+        `flush_updates` then act on that device alone), no class outside this package
+        overrides what those hooks call (only the stages before the update,
+        `_PRE_UPDATE_METHODS`), every variable has one copy per device (not so under
+        CentralStorageStrategy), and the Keras update rule at the bottom keeps Keras's
+        own `apply` path (`_compat.keras_apply_on_device_blocker`). Anything else (a
+        hook or helper of yours may synchronise) keeps `run_if`.
         """
         stack = self.stack()
         for opt in stack:
@@ -340,8 +371,12 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 owner = next(c for c in type(opt).__mro__ if hook in c.__dict__)
                 if not owner.__dict__.get("_dm_per_device_hooks", False):
                     return False
+            if not _user_overrides_fit_per_device(type(opt)):
+                return False
         bottom = stack[-1]
         if not isinstance(bottom, Optimizer):
+            return False
+        if not distribute.has_copy_per_device([v for _, v in grads_and_vars] + [self.iterations]):
             return False
         return _compat.keras_apply_on_device_blocker(bottom.inner_optimizer, grads_and_vars) is None
 

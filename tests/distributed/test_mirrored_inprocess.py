@@ -91,31 +91,61 @@ class CountingWrapper(dm.OptimizerWrapper):
         dm.distribute.assign_replicated(self.count, tf.convert_to_tensor(self.count) + 1)
 
 
-@pytest.mark.parametrize("case", ["plain", "moving_average", "swa+decay", "user_hook", "constraint", "nadam"])
+class SlowerAverage(dm.MovingAverage):
+    """A user's MovingAverage whose helper (called by the package's own hook) could
+    synchronise: here it only changes the decay."""
+
+    def decay_at(self, t):
+        return tf.constant(0.75)
+
+
+class ClippingOptimizer(dm.Optimizer):
+    """A user's optimizer that overrides a stage before the update only."""
+
+    def transform_gradients(self, grads_and_vars):
+        return super().transform_gradients([(tf.clip_by_value(g, -1.0, 1.0), v) for g, v in grads_and_vars])
+
+
+PER_DEVICE = [(False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:0"),
+              (False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:1")]
+
+
+@pytest.mark.parametrize("case", ["plain", "moving_average", "swa+decay", "stage_override", "lr_outside_scope",
+                                  "user_hook", "helper_override", "constraint", "nadam"])
 def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
     """The guarded update of a stack of this package's optimizers is one `If` per device,
     on that device, which TensorFlow keeps whole (one kernel, not a Switch and an
     Identity per input: issue 11). Where it cannot be made device by device (a user's
-    step hook, a constraint, a Keras optimizer that changes `apply`), it is the one
-    lowered cond of `run_if`. Either way a non-finite step is skipped on every device."""
+    step hook, or a user's override of what the package's hooks call, a constraint, a
+    Keras optimizer that changes `apply`), it is the one lowered cond of `run_if`. A
+    device whose update reads a variable of another device (made outside the scope)
+    keeps its cond lowered, which TensorFlow can place. Either way the update is right
+    and a non-finite step is skipped on every device."""
+    lr_var = tf.Variable(0.1, trainable=False)  # outside the scope: one copy, on CPU:0
     s = strategy()
     with s.scope():
         v = keras.Variable([1.0, 2.0], name="w")
         if case == "constraint":
             v.constraint = keras.constraints.NonNeg()
-        inner = keras.optimizers.Nadam(0.1) if case == "nadam" else keras.optimizers.Adam(0.1)
-        opt = dm.Optimizer(inner, transform_gradients=dm.clip_by_global_norm(1.0))
+        inner = {"nadam": lambda: keras.optimizers.Nadam(0.1),
+                 "lr_outside_scope": lambda: keras.optimizers.SGD(lambda: lr_var)}.get(
+                     case, lambda: keras.optimizers.SGD(0.1))()
+        kind = ClippingOptimizer if case == "stage_override" else dm.Optimizer
+        opt = kind(inner, transform_gradients=dm.clip_by_global_norm(1.0))
         if case == "moving_average":
             opt = dm.MovingAverage(opt, average_decay=0.5)
+        if case == "helper_override":
+            opt = SlowerAverage(opt)
         if case == "swa+decay":
             opt = dm.SWA(dm.DecoupledWeightDecay(opt, 0.1), start_averaging=0, average_period=1)
         if case == "user_hook":
             opt = CountingWrapper(opt)
         opt.build([v])
     conds = guarded_step_conds(opt, v)
-    if case in ("plain", "moving_average", "swa+decay"):
-        assert sorted(conds) == [(False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:0"),
-                                 (False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:1")], conds
+    if case in ("plain", "moving_average", "swa+decay", "stage_override"):
+        assert sorted(conds) == PER_DEVICE, conds
+    elif case == "lr_outside_scope":
+        assert sorted(conds) == [PER_DEVICE[0], (True, PER_DEVICE[1][1])], conds
     else:
         assert [lowered for lowered, _ in conds] == [True], conds
 
@@ -125,6 +155,41 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
 
     good_then_poisoned_step(replica_fn, v, use_function=True)
     assert [int(c) for c in local_values(opt.iterations.value)] == [1, 1]
+    if case not in ("nadam", "swa+decay"):
+        # SGD 0.1 on the summed gradient [1, -1], clipped to norm 1
+        want = np.array([1.0, 2.0]) - 0.1 * np.array([1.0, -1.0]) / np.sqrt(2.0)
+        for copy in local_values(v):
+            np.testing.assert_allclose(copy, want, rtol=1e-6)
+        if case == "helper_override":
+            for average in local_values(opt.average_of(v).value):
+                np.testing.assert_allclose(average, 0.75 * np.array([1.0, 2.0]) + 0.25 * want, rtol=1e-6)
+
+
+def test_central_storage_strategy_keeps_one_cond():
+    """CentralStorageStrategy synchronises through merge_call too, but its variables have
+    one copy for all devices: no per-device update (it raised IndexError once)."""
+    s = tf.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"], parameter_device="/cpu:2")
+    with s.scope():
+        v = keras.Variable([1.0, 2.0], name="w")
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1))
+        opt.build([v])
+
+    @tf.function
+    def step(g):
+        def replica():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(v * g) / s.num_replicas_in_sync
+            opt.apply_gradients([(tape.gradient(loss, v), v)])
+
+        s.run(replica)
+
+    step(tf.constant([0.5, -0.5]))
+    step(tf.constant([np.nan, 1.0]))
+    np.testing.assert_allclose(v.numpy(), [0.95, 2.05], rtol=1e-6)
+    assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 1
+    graph = step.get_concrete_function(tf.constant([0.5, -0.5])).graph
+    ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    assert [op.get_attr("_lower_using_switch_merge") for op in ifs] == [True]
 
 
 def test_embedding_sparse_gradients_match_single_device_and_stay_sparse():

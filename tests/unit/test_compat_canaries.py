@@ -330,6 +330,46 @@ def test_update_context_routes_distributed_variable_writes_to_one_device():
     np.testing.assert_array_equal(b, [1.0, 2.0])
 
 
+def test_resources_on_follows_captures_to_the_variables_device():
+    # `_compat.resources_on` reads FuncGraph.captures (private) to find where the
+    # resource behind a handle placeholder lives, through nested function graphs.
+    with tf.device("/cpu:1"):
+        v = tf.Variable(1.0)
+    seen = {}
+
+    @tf.function
+    def step():
+        seen["outer"] = (_compat.resources_on([v.handle], "/cpu:1"), _compat.resources_on([v.handle], "/cpu:0"))
+
+        def branch():
+            seen["nested"] = (_compat.resources_on([v.handle], "/job:localhost/replica:0/task:0/device:CPU:1"),
+                              _compat.resources_on([v.handle], "/cpu:0"))
+            return v.read_value()
+
+        return tf.cond(tf.constant(True), branch, lambda: tf.constant(0.0))
+
+    step.get_concrete_function()
+    assert seen == {"outer": (True, False), "nested": (True, False)}
+
+
+def test_unlowered_cond_stays_lowered_on_a_resource_of_another_device():
+    with tf.device("/cpu:1"):
+        v = tf.Variable(0.0)
+
+    @tf.function
+    def step(pred):
+        with tf.device("/cpu:0"):
+            whole = _compat.unlowered_cond(pred, lambda: v.assign_add(1.0), lambda: v.assign_add(10.0), "/cpu:0")
+        assert whole is False
+        return whole
+
+    step(tf.constant(True))
+    assert float(v.numpy()) == 1.0
+    graph = step.get_concrete_function(tf.constant(True)).graph
+    ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    assert len(ifs) == 1 and ifs[0].get_attr("_lower_using_switch_merge") is True
+
+
 def test_unlowered_cond_keeps_its_if_op_and_takes_each_branch():
     v = tf.Variable(0.0)
 
