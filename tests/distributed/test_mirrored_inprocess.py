@@ -110,7 +110,7 @@ PER_DEVICE = [(False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:0"),
               (False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:1")]
 
 
-@pytest.mark.parametrize("case", ["plain", "moving_average", "swa+decay", "stage_override", "lr_outside_scope",
+@pytest.mark.parametrize("case", ["plain", "adam", "moving_average", "swa+decay", "stage_override", "lr_outside_scope",
                                   "user_hook", "helper_override", "constraint", "nadam"])
 def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
     """The guarded update of a stack of this package's optimizers is one `If` per device,
@@ -127,7 +127,7 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
         v = keras.Variable([1.0, 2.0], name="w")
         if case == "constraint":
             v.constraint = keras.constraints.NonNeg()
-        inner = {"nadam": lambda: keras.optimizers.Nadam(0.1),
+        inner = {"nadam": lambda: keras.optimizers.Nadam(0.1), "adam": lambda: keras.optimizers.Adam(0.1),
                  "lr_outside_scope": lambda: keras.optimizers.SGD(lambda: lr_var)}.get(
                      case, lambda: keras.optimizers.SGD(0.1))()
         kind = ClippingOptimizer if case == "stage_override" else dm.Optimizer
@@ -142,7 +142,7 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
             opt = CountingWrapper(opt)
         opt.build([v])
     conds = guarded_step_conds(opt, v)
-    if case in ("plain", "moving_average", "swa+decay", "stage_override"):
+    if case in ("plain", "adam", "moving_average", "swa+decay", "stage_override"):
         assert sorted(conds) == PER_DEVICE, conds
     elif case == "lr_outside_scope":
         assert sorted(conds) == [PER_DEVICE[0], (True, PER_DEVICE[1][1])], conds
@@ -155,7 +155,7 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
 
     good_then_poisoned_step(replica_fn, v, use_function=True)
     assert [int(c) for c in local_values(opt.iterations.value)] == [1, 1]
-    if case not in ("nadam", "swa+decay"):
+    if case not in ("adam", "nadam", "swa+decay"):
         # SGD 0.1 on the summed gradient [1, -1], clipped to norm 1
         want = np.array([1.0, 2.0]) - 0.1 * np.array([1.0, -1.0]) / np.sqrt(2.0)
         for copy in local_values(v):
