@@ -306,6 +306,13 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
         tf.cond(condition, lambda: fn(*args), otherwise)
 
 
+def worker_device_types() -> set[str]:
+    """The types of the current strategy's devices ("CPU", "GPU", ...; "?" where a
+    device name does not say)."""
+    devices = tf.distribute.get_strategy().extended.worker_devices
+    return {(tf.DeviceSpec.from_string(d).device_type or "?").upper() for d in devices}
+
+
 def has_copy_per_device(variables: Sequence) -> bool:
     """Whether each variable has one copy on each of the current strategy's devices
     (mirrored variables do; a CentralStorageStrategy variable has one copy in all)."""

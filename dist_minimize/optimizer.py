@@ -60,6 +60,14 @@ def _keras_setting_property(setting: str) -> property:
 
 
 
+# The device types on which the guarded update may be made device by device. An
+# unlowered If runs its branch as a function on its own device, without soft placement:
+# an op of the update with no kernel for that device fails there, where the lowered cond
+# of `run_if` would have placed it on the host (int64 FloorMod, in SWA's and Lookahead's
+# schedules, has no GPU kernel). Only CPUs are checked here; `ci/gpu_check.py` runs the
+# per-device update on GPUs with "GPU" added, and reports whether it works there.
+PER_DEVICE_TYPES: tuple[str, ...] = ("CPU",)
+
 # What a class outside this package may define on an optimizer of a stack that is still
 # updated device by device: the stages that run before the update, and set-up. Any other
 # method (a step hook, or a helper one of this package's hooks calls, such as
@@ -360,10 +368,11 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         update context of a device reach that device's copies; their `run_if` and
         `flush_updates` then act on that device alone), no class outside this package
         overrides what those hooks call (only the stages before the update,
-        `_PRE_UPDATE_METHODS`), every variable has one copy per device (not so under
-        CentralStorageStrategy), and the Keras update rule at the bottom keeps Keras's
-        own `apply` path (`_compat.keras_apply_on_device_blocker`). Anything else (a
-        hook or helper of yours may synchronise) keeps `run_if`.
+        `_PRE_UPDATE_METHODS`), the devices are of a type in `PER_DEVICE_TYPES` (CPUs),
+        every variable has one copy per device (not so under CentralStorageStrategy),
+        and the Keras update rule at the bottom keeps Keras's own `apply` path
+        (`_compat.keras_apply_on_device_blocker`). Anything else (a hook or helper of
+        yours may synchronise) keeps `run_if`.
         """
         stack = self.stack()
         for opt in stack:
@@ -375,6 +384,8 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 return False
         bottom = stack[-1]
         if not isinstance(bottom, Optimizer):
+            return False
+        if not distribute.worker_device_types() <= set(PER_DEVICE_TYPES):
             return False
         if not distribute.has_copy_per_device([v for _, v in grads_and_vars] + [self.iterations]):
             return False

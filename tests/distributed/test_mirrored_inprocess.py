@@ -165,6 +165,21 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
                 np.testing.assert_allclose(average, 0.75 * np.array([1.0, 2.0]) + 0.25 * want, rtol=1e-6)
 
 
+def test_devices_of_other_types_keep_one_cond(monkeypatch):
+    """The per-device update is used on the device types in PER_DEVICE_TYPES only (CPUs:
+    on a GPU an unlowered If could not fall back to the host for an op without a GPU
+    kernel). Checked here by taking CPU out of the list."""
+    from dist_minimize import optimizer as dm_optimizer
+
+    monkeypatch.setattr(dm_optimizer, "PER_DEVICE_TYPES", ("GPU",))
+    s = strategy()
+    with s.scope():
+        v = keras.Variable([1.0, 2.0], name="w")
+        opt = dm.SWA(dm.Optimizer(keras.optimizers.Adam(0.1)), average_period=2)
+        opt.build([v])
+    assert [lowered for lowered, _ in guarded_step_conds(opt, v)] == [True]
+
+
 def test_central_storage_strategy_keeps_one_cond():
     """CentralStorageStrategy synchronises through merge_call too, but its variables have
     one copy for all devices: no per-device update (it raised IndexError once)."""

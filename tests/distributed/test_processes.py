@@ -215,6 +215,8 @@ def test_gpu_check_logic_simulated_on_cpu(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     checks = json.loads((tmp_path / "r.json").read_text())["checks"]
     assert checks["parity/sgd"]["passed"] and checks["parity/adam"]["passed"]
+    for stack in ("adam", "swa+lookahead"):  # one unlowered If per device, same weights as one device
+        assert checks[f"per_device/{stack}"]["passed"] and checks[f"per_device/{stack}"]["unlowered_ifs"] == 2, checks
     assert checks["throughput"]["ratio"] > 0
 
 
