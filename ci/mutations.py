@@ -58,7 +58,7 @@ class Mutation:
 MUTATIONS = [
     Mutation("strategy-mean", "strategy backend reduces with MEAN instead of SUM",
              "dist_minimize/aggregation/strategy.py",
-             "ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads", "ctx.all_reduce(tf.distribute.ReduceOp.MEAN, grads",
+             "out = ctx.all_reduce(tf.distribute.ReduceOp.SUM,", "out = ctx.all_reduce(tf.distribute.ReduceOp.MEAN,",
              [MIRRORED, MULTIWORKER]),
     Mutation("horovod-sum", "Horovod backend uses Sum instead of Average",
              "dist_minimize/aggregation/horovod.py",
@@ -77,9 +77,9 @@ MUTATIONS = [
              [MIRRORED, MULTIWORKER]),
     Mutation("strategy-reduce-twice", "the strategy backend all-reduces the gradients twice",
              "dist_minimize/aggregation/strategy.py",
-             "        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads, options=self.options)\n",
-             "        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads, options=self.options)\n"
-             "        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, reduced, options=self.options)\n",
+             "            for i, r in zip(indices, out):\n",
+             "            out = ctx.all_reduce(tf.distribute.ReduceOp.SUM, out, options=self.options)\n"
+             "            for i, r in zip(indices, out):\n",
              [MIRRORED, MULTIWORKER]),
     Mutation("horovod-reduce-twice", "the Horovod backend runs its grouped allreduce twice",
              "dist_minimize/aggregation/horovod.py",

@@ -16,8 +16,9 @@ class StrategyAggregator(Aggregator):
     replicas in sync, so the SUM of the replicas' gradients is the gradient of the mean
     loss over the global batch.
 
-    All gradients of the step go into a single `ReplicaContext.all_reduce` call, which
-    tf.distribute packs into as few collectives as its cross-device ops allow.
+    All gradients of the step go into a single `ReplicaContext.all_reduce` call (one per
+    dtype, when the model mixes them), which tf.distribute packs into as few
+    collectives as its cross-device ops allow.
     `IndexedSlices` (an `Embedding` layer's gradient) stay sparse: tf.distribute
     all-gathers their values and indices, so the result may hold repeated indices
     (their sum is the dense gradient). `None` gradients pass through untouched.
@@ -72,5 +73,14 @@ class StrategyAggregator(Aggregator):
         positions, grads = split_nones(grads_and_vars)
         if not grads:
             return grads_and_vars
-        reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, grads, options=self.options)
+        # One all-reduce per dtype: tf.distribute packs a list into one buffer and fails on
+        # a list of several dtypes (a float16 layer beside float32 ones; stock Keras too).
+        by_dtype: dict = {}
+        for i, g in enumerate(grads):
+            by_dtype.setdefault(g.dtype, []).append(i)
+        reduced = [None] * len(grads)
+        for indices in by_dtype.values():
+            out = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in indices], options=self.options)
+            for i, r in zip(indices, out):
+                reduced[i] = r
         return merge_nones(grads_and_vars, positions, reduced)

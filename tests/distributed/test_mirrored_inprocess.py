@@ -546,3 +546,29 @@ def test_replica_local_accumulators_restore_exactly_under_mirrored(tmp_path):
     assert int(resumed_opt.iterations.numpy()) == P.STEPS
     assert P.max_abs_diff(P.weights(full), P.weights(resumed)) <= 1e-6
     assert P.max_abs_diff(P.reference_accumulation(4), P.weights(resumed)) <= 1e-6
+
+
+def test_mixed_dtype_variables_are_aggregated_and_match_single_device():
+    """A float16 layer beside float32 ones: tf.distribute's list all-reduce packs one
+    buffer and fails on two dtypes (stock Keras too); the strategy backend reduces each
+    dtype on its own. The result matches one device on the same global batch."""
+    x, y = P.make_data(steps=4)
+
+    def train(s):
+        with s.scope():
+            keras.utils.set_random_seed(1)
+            model = keras.Sequential([keras.Input((P.FEATURES,)),
+                                      keras.layers.Dense(8, activation="tanh", dtype="float16"),
+                                      keras.layers.Dense(1, dtype="float32")])
+            model.compile(loss="mse", optimizer=dm.Optimizer(keras.optimizers.SGD(0.05)))
+        start = P.weights(model)
+        model.fit(x, y, batch_size=P.GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+        return start, P.weights(model)
+
+    start, one = train(tf.distribute.get_strategy())
+    _, two = train(strategy())
+    assert [w.dtype.name for w in two] == ["float16", "float16", "float32", "float32"]
+    moved = P.max_abs_diff(start, one)
+    assert moved > 0.5, moved  # large enough that a wrong scale (MEAN for SUM) shows
+    assert P.max_abs_diff(one, two) < 1e-2, (P.max_abs_diff(one, two), moved)  # float16 rounding
+
