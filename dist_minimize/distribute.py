@@ -336,9 +336,9 @@ def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), othe
     value on device `i`. Each branch is one `If` op on its device that TensorFlow
     does not lower (`_compat.unlowered_cond`; lowered after all if it reads a resource
     of another device, such as a variable made outside the strategy's scope): `fn` must
-    read and write only that device's copies (what `strategy.extended.update` does per device, and what
-    distributed variables resolve to inside the update context) and must not use
-    collectives or `merge_call`.
+    write only that device's copies (what `strategy.extended.update` does per device,
+    and what distributed variables resolve to inside the update context) and must not
+    use collectives or `merge_call`.
 
     Raises:
       RuntimeError: not in the replica context of a merge-call strategy.

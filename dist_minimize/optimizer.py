@@ -59,7 +59,6 @@ def _keras_setting_property(setting: str) -> property:
     return property(get, set, doc=f"Keras's `{setting}`, as the stack applies it (read-only).")
 
 
-
 # The device types on which the guarded update may be made device by device. An
 # unlowered If runs its branch as a function on its own device, without soft placement:
 # an op of the update with no kernel for that device fails there, where the lowered cond
