@@ -196,10 +196,10 @@ MUTATIONS = [
              "lambda: fn(i, *local_args), lambda: otherwise(i), device)",
              "lambda: fn(i, *local_args), lambda: None, device)",
              [MIRRORED_INPROCESS]),
-    Mutation("per-device-any-hook", "a stack with a user's step hook is updated device by device too",
+    Mutation("per-device-any-hook", "a step hook of a class that does not declare it fit is updated device by device too",
              "dist_minimize/optimizer.py",
-             '                if not owner.__dict__.get("_dm_per_device_hooks", False):\n                    return False',
-             '                if not owner.__dict__.get("_dm_per_device_hooks", False):\n                    pass',
+             '        if not owner.__dict__.get("_dm_per_device_hooks", False):\n            return False',
+             '        if not owner.__dict__.get("_dm_per_device_hooks", False):\n            pass',
              [MIRRORED_INPROCESS]),
     Mutation("per-device-any-resource", "a device's cond is kept whole though it reads a resource of another device",
              "dist_minimize/_compat.py",
@@ -218,8 +218,10 @@ MUTATIONS = [
              [MIRRORED_INPROCESS]),
     Mutation("per-device-user-helper", "a user's override of a helper the package's hooks call is updated device by device",
              "dist_minimize/optimizer.py",
-             "            if not _user_overrides_fit_per_device(type(opt)):",
-             "            if False and not _user_overrides_fit_per_device(type(opt)):",
+             "            if callable(value) or isinstance(value, (property, staticmethod, classmethod)):\n"
+             "                return False",
+             "            if callable(value) or isinstance(value, (property, staticmethod, classmethod)):\n"
+             "                pass",
              [MIRRORED_INPROCESS]),
 ]
 

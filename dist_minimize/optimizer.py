@@ -77,9 +77,15 @@ _PRE_UPDATE_METHODS = frozenset((
     "check_stack", "get_config", "from_config", "finalize_variable_values"))
 
 
-def _user_overrides_fit_per_device(cls: type) -> bool:
-    """Whether the classes of `cls`'s MRO before this package's own define only
-    `_PRE_UPDATE_METHODS` (or declare `_dm_per_device_hooks` themselves)."""
+def _class_fits_per_device(cls: type, step_hooks: Sequence[str]) -> bool:
+    """Whether an optimizer of class `cls` may be updated device by device: each of its
+    `step_hooks` is defined by a class that declares `_dm_per_device_hooks`, and the
+    classes of its MRO before this package's own define only `_PRE_UPDATE_METHODS` (or
+    declare `_dm_per_device_hooks` themselves)."""
+    for hook in step_hooks:
+        owner = next(c for c in cls.__mro__ if hook in c.__dict__)
+        if not owner.__dict__.get("_dm_per_device_hooks", False):
+            return False
     for c in cls.__mro__:
         if c.__module__.split(".")[0] == "dist_minimize":
             return True
@@ -374,13 +380,8 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         yours may synchronise) keeps `run_if`.
         """
         stack = self.stack()
-        for opt in stack:
-            for hook in self._STEP_HOOKS:
-                owner = next(c for c in type(opt).__mro__ if hook in c.__dict__)
-                if not owner.__dict__.get("_dm_per_device_hooks", False):
-                    return False
-            if not _user_overrides_fit_per_device(type(opt)):
-                return False
+        if not all(_class_fits_per_device(type(opt), self._STEP_HOOKS) for opt in stack):
+            return False
         bottom = stack[-1]
         if not isinstance(bottom, Optimizer):
             return False

@@ -572,3 +572,20 @@ def test_mixed_dtype_variables_are_aggregated_and_match_single_device():
     assert moved > 0.5, moved  # large enough that a wrong scale (MEAN for SUM) shows
     assert P.max_abs_diff(one, two) < 1e-2, (P.max_abs_diff(one, two), moved)  # float16 rounding
 
+
+
+def test_a_package_class_must_declare_its_hooks_fit_per_device():
+    """A class of this package with a step hook takes the per-device update only when it
+    declares `_dm_per_device_hooks` (a future hook that synchronises would not)."""
+    from dist_minimize import optimizer as dm_optimizer
+
+    class Undeclared(dm.OptimizerWrapper):
+        def on_applied(self, grads_and_vars):
+            return None
+
+    Undeclared.__module__ = "dist_minimize.wrappers.undeclared"
+    hooks = dm_optimizer.StagedOptimizer._STEP_HOOKS
+    assert not dm_optimizer._class_fits_per_device(Undeclared, hooks)
+    Undeclared._dm_per_device_hooks = True
+    assert dm_optimizer._class_fits_per_device(Undeclared, hooks)
+    assert dm_optimizer._class_fits_per_device(dm.MovingAverage, hooks)
