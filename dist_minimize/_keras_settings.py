@@ -36,11 +36,63 @@ import logging
 from typing import Any, Sequence
 
 import keras
+import numpy as np
 
 logger = logging.getLogger("dist_minimize")
 
 CLIP_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm")
 WRAPPER_SETTINGS = ("use_ema", "gradient_accumulation_steps", "loss_scale_factor")
+
+# What each translated setting must hold (None always means "off"). Stricter than
+# Keras 3.15 where Keras silently ignores a value: it skips clipping for a clip <= 0
+# (a negative or zero clip is a mistake, not a way to say "off", which is None), and
+# takes `gradient_accumulation_steps=0` and `ema_overwrite_frequency=0` as "off" though
+# its own messages state the rules ">= 2" and ">= 1 or None". NaN and inf are refused.
+RULES = {
+    "clipnorm": "a positive finite number (or None to turn clipping off)",
+    "clipvalue": "a positive finite number (or None to turn clipping off)",
+    "global_clipnorm": "a positive finite number (or None to turn clipping off)",
+    "gradient_accumulation_steps": "an integer >= 2 (or None to turn accumulation off)",
+    "ema_momentum": "a number in [0, 1]",
+    "ema_overwrite_frequency": "an integer >= 1 (or None to never overwrite)",
+    "loss_scale_factor": "a positive finite number (or None for no scaling)",
+}
+
+
+def check_setting(setting: str, value: Any, optimizer_name: str) -> Any:
+    """Validates the value of a translated Keras setting, in Keras's style.
+
+    Args:
+      setting: a key of `RULES`.
+      value: its value (None, meaning "off", is returned as it is, except for
+        `ema_momentum`, which has no "off").
+      optimizer_name: the class name of the optimizer it is set on, for the message.
+
+    Returns:
+      The value as the equivalent takes it: a float, an int, or None.
+
+    Raises:
+      TypeError: a string (or an object that is no number) where a number is needed.
+      ValueError: any other value outside the rule (NaN and inf included), e.g.
+        "`clipnorm` must be a positive finite number (or None to turn clipping off).
+        Received: clipnorm=-1 on SGD".
+    """
+    from dist_minimize.transforms.base import check_positive_finite, check_positive_int, check_unit_interval
+
+    if value is None and setting != "ema_momentum":
+        return None
+    if isinstance(value, np.integer):
+        value = int(value)
+    checks = {
+        "gradient_accumulation_steps": lambda n, v: check_positive_int(n, v, minimum=2),
+        "ema_momentum": check_unit_interval,
+        "ema_overwrite_frequency": check_positive_int,
+    }
+    try:
+        return checks.get(setting, check_positive_finite)(setting, value)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"`{setting}` must be {RULES[setting]}. Received: {setting}={value!r} on "
+                      f"{optimizer_name}") from None
 
 
 def _clipper_classes():
@@ -84,9 +136,9 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
     Raises:
       ValueError: a Keras clipping setting next to a dist_minimize clipper in
         `transform_gradients`, `use_ema` with `gradient_accumulation_steps`, or a
-        setting whose value the equivalent refuses (naming the Keras setting).
+        setting whose value breaks its rule (`RULES`, `check_setting`).
+      TypeError: a setting that must be a number holds a string or another object.
     """
-    from dist_minimize.transforms.base import check_positive_finite, check_positive_int, check_unit_interval
     from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer, MovingAverage
 
     t = Translation()
@@ -96,10 +148,8 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
         value = getattr(optimizer, setting, None)
         if value is None:
             continue
+        check_setting(setting, value, name)
         t.disable[setting] = None
-        if not value or value <= 0:
-            t.parts.append(f"{setting}={value!r} -> nothing (Keras ignores a value <= 0)")
-            continue
         given = [fn for fn in gradient_fns if isinstance(fn, tuple(clippers.values()))]
         if given:
             raise ValueError(
@@ -112,8 +162,8 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
                        f"{_factory_name(setting)}({value!r}) (after aggregation, last)")
 
     ema = bool(getattr(optimizer, "use_ema", False))
-    steps = getattr(optimizer, "gradient_accumulation_steps", None)
-    scale = getattr(optimizer, "loss_scale_factor", None)
+    steps = check_setting("gradient_accumulation_steps", getattr(optimizer, "gradient_accumulation_steps", None), name)
+    scale = check_setting("loss_scale_factor", getattr(optimizer, "loss_scale_factor", None), name)
     if ema and steps:
         raise ValueError(
             "The inner optimizer sets both `use_ema` and `gradient_accumulation_steps`: Keras then moves the "
@@ -123,13 +173,10 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
             "dist_minimize.Optimizer(keras_optimizer), average_decay=m, start_step=1), steps=K)`. Received: "
             f"optimizer={name}(use_ema=True, gradient_accumulation_steps={steps!r})")
     if ema:
-        momentum = optimizer.ema_momentum
-        frequency = optimizer.ema_overwrite_frequency or None
+        momentum = check_setting("ema_momentum", optimizer.ema_momentum, name)
+        frequency = check_setting("ema_overwrite_frequency", optimizer.ema_overwrite_frequency, name)
         kwargs = dict(average_decay=momentum, start_step=1, overwrite_frequency=frequency,
                       assign_on_finalize=True)
-        check_unit_interval("ema_momentum", momentum)
-        if frequency is not None:
-            check_positive_int("ema_overwrite_frequency", frequency)
         t.wrappers.append((MovingAverage, kwargs))
         t.disable.update(use_ema=False, ema_overwrite_frequency=None)
         t.parts.append(f"use_ema=True, ema_momentum={momentum!r}, ema_overwrite_frequency={frequency!r} -> "
@@ -137,14 +184,12 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
                        f"overwrite_frequency={frequency!r}, assign_on_finalize=True) around it")
     if steps:
         kwargs = dict(steps=steps)
-        check_positive_int("gradient_accumulation_steps", steps)
         t.wrappers.append((GradientAccumulation, kwargs))
         t.disable["gradient_accumulation_steps"] = None
         t.parts.append(f"gradient_accumulation_steps={steps!r} -> dist_minimize.GradientAccumulation("
                        f"steps={steps!r}) around it")
     if scale is not None:
         kwargs = dict(initial_scale=scale, dynamic=False)
-        check_positive_finite("loss_scale_factor", scale)
         t.wrappers.append((LossScaleOptimizer, kwargs))
         t.disable["loss_scale_factor"] = None
         t.parts.append(f"loss_scale_factor={scale!r} -> dist_minimize.LossScaleOptimizer(initial_scale={scale!r}, "
