@@ -27,8 +27,27 @@ def as_callables(value: Any, argument: str) -> list[Callable]:
     )
 
 
-def as_grads_and_vars(grads_and_vars: Any, argument: str = "grads_and_vars") -> list:
-    """Materialises `grads_and_vars` (a zip, a list of pairs) and checks its shape."""
+def as_grads_and_vars(grads_and_vars: Any, argument: str = "grads_and_vars", convert: bool = True) -> list:
+    """Materialises `grads_and_vars` (a zip, a list of pairs) and checks its form.
+
+    Args:
+      grads_and_vars: an iterable of `(gradient, variable)` pairs.
+      argument: the argument's name, for messages.
+      convert: convert each gradient Keras's `apply_gradients` would accept (a Python
+        list or number, a NumPy array, a variable) with
+        `tf.convert_to_tensor(gradient, dtype=variable.dtype)`; `tf.Tensor`,
+        `tf.IndexedSlices` and `None` are kept as they are. False (stage outputs):
+        keep every gradient as it is, so that a stage's contract is checked on what
+        it returned.
+
+    Returns:
+      The pairs, as a list of tuples.
+
+    Raises:
+      TypeError: `grads_and_vars` is not iterable, or a gradient cannot be converted
+        to a tensor of its variable's dtype (naming the variable).
+      ValueError: an item is not a pair.
+    """
     try:
         pairs = list(grads_and_vars)
     except TypeError:
@@ -42,7 +61,29 @@ def as_grads_and_vars(grads_and_vars: Any, argument: str = "grads_and_vars") -> 
                 f"`{argument}` must hold (gradient, variable) pairs; item {i} is "
                 f"{pair!r}. Received: {argument} of length {len(pairs)}"
             )
-    return [tuple(p) for p in pairs]
+    pairs = [tuple(p) for p in pairs]
+    if convert:
+        pairs = [(as_gradient(g, v), v) for g, v in pairs]
+    return pairs
+
+
+def as_gradient(gradient: Any, variable: Any) -> Any:
+    """`gradient` as a tensor of `variable`'s dtype, unless it is None, a `tf.Tensor` or a
+    `tf.IndexedSlices` (kept as they are: Keras's update rules cast those themselves).
+
+    Raises:
+      TypeError: the gradient cannot be converted (naming the variable).
+    """
+    if gradient is None or isinstance(gradient, (tf.Tensor, tf.IndexedSlices)):
+        return gradient
+    dtype = getattr(variable, "dtype", None)
+    try:
+        return tf.convert_to_tensor(gradient, dtype=dtype)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"The gradient of variable `{variable_name(variable)}` must be a tensor, a tf.IndexedSlices, "
+            f"None, or what converts to a tensor of the variable's dtype ({dtype}): {e} "
+            f"Received: a {type(gradient).__name__}") from None
 
 
 def check_lengths(grads: Sequence, variables: Sequence) -> None:
@@ -69,7 +110,7 @@ def check_stage_output(stage: str, before: list, after: Any) -> list:
     if after is None:
         raise ValueError(f"Stage `{stage}` returned None; it must return the (gradient, variable) pairs.")
     try:
-        after = as_grads_and_vars(after, argument=f"the output of `{stage}`")
+        after = as_grads_and_vars(after, argument=f"the output of `{stage}`", convert=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"Stage `{stage}` broke its contract: {e}") from None
     if len(after) != len(before):
