@@ -50,8 +50,8 @@ def test_moving_average_rule(inner, dynamic, start):
         if t <= start:
             avg = w
         else:
-            k = t - start
-            d = min(decay, (1 + k) / (10 + k)) if dynamic else decay
+            c = t - 1 - start  # averaging updates before this one (TF Addons' count)
+            d = min(decay, (1 + c) / (10 + c)) if dynamic else decay
             avg = d * avg + (1 - d) * w
     np.testing.assert_allclose(opt.average_of(v).numpy(), avg, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(v.numpy(), stock_trajectory(inner)[-1], rtol=1e-5, atol=1e-6)  # weights untouched
