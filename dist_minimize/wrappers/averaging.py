@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import tensorflow as tf
 
+from dist_minimize._stages import variable_name
 from dist_minimize.wrapper import OptimizerWrapper, swap_values
+
+logger = logging.getLogger("dist_minimize")
 
 
 class AveragingWrapper(OptimizerWrapper):
@@ -41,19 +46,36 @@ class AveragingWrapper(OptimizerWrapper):
         """Writes the averages into `var_list` (default: every trained variable), for good.
 
         TF Addons' name for it; the usual last step of training before saving the final
-        model. Outside the training step.
+        model. Outside the training step. As in TF Addons, a variable of `var_list` that
+        this optimizer does not average (e.g. a BatchNormalization layer's moving mean
+        and variance when `var_list` is `model.variables`) is left as it is: the call
+        logs ONE warning (logger "dist_minimize") naming every variable it skipped
+        (TF Addons warns once per variable).
+
+        Args:
+          var_list: the variables to overwrite with their averages; None: every
+            variable this optimizer trains.
+
+        Returns:
+          The variables skipped (a list, empty when every one was averaged).
 
         Raises:
-          ValueError: before `build`, or for a variable this optimizer does not train.
+          ValueError: before `build`.
         """
         self._check_built("assign_average_vars")
+        skipped = []
         for v in (self.trained_variables if var_list is None else list(var_list)):
             try:
                 average = self.slot("average", v)
             except KeyError:
-                raise ValueError(f"`assign_average_vars`: {getattr(v, 'path', v.name)} is not a variable "
-                                 f"{type(self).__name__} averages. Received: var_list of {len(var_list)}") from None
+                skipped.append(v)
+                continue
             v.assign(tf.convert_to_tensor(average))
+        if skipped:
+            logger.warning("%s.assign_average_vars: skipped %d variable(s) it does not average (left as they "
+                           "are): %s", type(self).__name__, len(skipped),
+                           ", ".join(variable_name(v) for v in skipped))
+        return skipped
 
     def _check_built(self, what):
         if not self.built:
