@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Sequence
 
@@ -30,16 +31,35 @@ class DecoupledWeightDecay(OptimizerWrapper):
     `minimize(..., decay_var_list=[...])` or `apply_gradients(..., decay_var_list=[...])`
     names them instead (the RFC 234 thread's `decay_var_list`).
 
+    The rate, `weight_decay`, is read at every update and may be:
+
+    * a number >= 0;
+    * a `keras.optimizers.schedules.LearningRateSchedule`: called with the update
+      count (the wrapped optimizer's `iterations`, the updates applied before this one);
+    * a callable taking no argument (TF Addons' and Keras's convention, e.g.
+      `lambda: 1e-4 * lr_variable`): called as `weight_decay()` at each update;
+    * a callable taking one argument: called with the update count, as a schedule.
+
+    Which callable is which is read from its signature (`inspect.signature`): one
+    that accepts a positional argument (a parameter, with or without a default, or
+    `*args`) gets the count (so every callable accepted before zero-argument ones
+    were is called as it was); one that accepts none (`lambda: 0.01`, a `__call__(self)`) is called without. A
+    callable whose signature cannot be read (some built-ins and extension types) is
+    called with the count. `weight_decay` (the property) returns this setting; setting
+    it replaces it (a traced step keeps the rate of a number it traced with, as
+    Keras's own `weight_decay` does).
+
     Args:
       optimizer: a dist_minimize optimizer.
-      weight_decay: a number >= 0, or a `keras.optimizers.schedules.LearningRateSchedule`
-        (or callable) of the update count.
+      weight_decay: a number >= 0, a `LearningRateSchedule`, or a callable with no
+        argument or one (the update count); see above.
       exclude_from_weight_decay: variable-path patterns never decayed.
       scale_by_learning_rate: multiply by the inner learning rate.
 
     Raises:
       ValueError: a negative `weight_decay`, or a second DecoupledWeightDecay in the stack.
-      TypeError: a pattern that is not a string.
+      TypeError: a pattern that is not a string, or a `weight_decay` that is neither a
+        number nor a callable.
     """
 
     # Its step hooks only read and write variables: they may run device by device
@@ -50,10 +70,7 @@ class DecoupledWeightDecay(OptimizerWrapper):
 
     def __init__(self, optimizer: StagedOptimizer, weight_decay, exclude_from_weight_decay: Sequence[str] | None = None,
                  scale_by_learning_rate: bool = False, name: str | None = None):
-        if isinstance(weight_decay, dict):  # from get_config
-            weight_decay = keras.saving.deserialize_keras_object(weight_decay)
-        if not callable(weight_decay):
-            weight_decay = check_nonnegative("weight_decay", weight_decay)
+        weight_decay = _check_weight_decay(weight_decay)
         patterns = list(exclude_from_weight_decay or [])
         for i, p in enumerate(patterns):
             if not isinstance(p, str):
@@ -73,11 +90,26 @@ class DecoupledWeightDecay(OptimizerWrapper):
         path = variable_name(variable)
         return not any(re.search(p, path) for p in self.exclude_patterns)
 
+    @property
+    def weight_decay(self):
+        """This wrapper's decay setting (a number, a schedule or a callable), not the
+        wrapped Keras update rule's `weight_decay` (the base class's property).
+        Setting it replaces the setting (validated as in the constructor)."""
+        return self.__dict__.get("weight_decay_value")
+
+    @weight_decay.setter
+    def weight_decay(self, value):
+        if not getattr(self, "_dm_constructed", False):
+            return  # Keras's base constructor sets None; the constructor's argument counts
+        self.weight_decay_value = _check_weight_decay(value)
+
     def current_weight_decay(self) -> tf.Tensor:
-        """This update's decay rate (the schedule at the current update count)."""
+        """This update's decay rate: the number, or the callable's value (called with the
+        update count, or with no argument: see the class docstring)."""
         wd = self.weight_decay_value
         if callable(wd):
-            return tf.cast(wd(self.iterations), tf.float32)
+            value = wd(self.iterations) if _takes_the_count(wd) else wd()
+            return tf.cast(value, tf.float32)
         return tf.constant(wd, tf.float32)
 
     def choose_for_step(self, decay_var_list) -> None:
@@ -124,6 +156,32 @@ class DecoupledWeightDecay(OptimizerWrapper):
                       exclude_from_weight_decay=list(self.exclude_patterns),
                       scale_by_learning_rate=self.scale_by_learning_rate)
         return config
+
+
+def _check_weight_decay(weight_decay):
+    """A number >= 0 (as a float) or a callable; a config dict is deserialised first."""
+    if isinstance(weight_decay, dict):  # from get_config
+        weight_decay = keras.saving.deserialize_keras_object(weight_decay)
+    if callable(weight_decay):
+        return weight_decay
+    return check_nonnegative("weight_decay", weight_decay)
+
+
+def _takes_the_count(fn) -> bool:
+    """Whether the callable `fn` is called with the update count: a schedule, a callable
+    whose signature accepts one positional argument, or one whose signature cannot be
+    read. False: it accepts no positional argument (called as `fn()`)."""
+    if isinstance(fn, keras.optimizers.schedules.LearningRateSchedule):
+        return True
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(0)
+    except TypeError:
+        return False
+    return True
 
 
 class _Choice:
