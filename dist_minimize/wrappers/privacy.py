@@ -20,13 +20,17 @@ _SEED_LIMIT = 2 ** 63
 class DifferentialPrivacy(OptimizerWrapper):
     """Differentially private SGD on any update rule, with the noise added once per step.
 
-    The loss given to `minimize` (a tensor with its tape, or a callable) is the VECTOR
-    of per-example losses of this replica's batch, not reduced (under `model.fit`:
-    compile with a loss whose `reduction=None`, e.g.
+    The loss given to `minimize` (a tensor with its tape, or a callable) holds the
+    per-example losses of this replica's batch, not reduced: shape [batch], or
+    [batch, ...] whose trailing axes are reduced by their mean per example, as TF
+    Privacy's Keras DP optimizers do (they reshape the loss to [microbatches, -1] and
+    take the mean over the second axis), e.g. a per-timestep loss of shape [batch, T]
+    (under `model.fit`: compile with a loss whose `reduction=None`, e.g.
     `keras.losses.SparseCategoricalCrossentropy(reduction=None)`, and call
     `dist_minimize.integrate(model)`). One step:
 
-    1. each replica splits its batch into `num_microbatches` microbatches of
+    1. each replica takes each example's loss (the mean over its trailing axes),
+       splits its batch into `num_microbatches` microbatches of
        consecutive examples (default: one per example) and takes each microbatch's
        mean loss (`transform_loss`);
     2. the gradient of each microbatch loss, vectorised (`tf.GradientTape.jacobian`,
@@ -82,8 +86,8 @@ class DifferentialPrivacy(OptimizerWrapper):
       TypeError: `optimizer` is not a dist_minimize optimizer, or an argument of the
         wrong type.
       ValueError: `l2_norm_clip` <= 0, `noise_multiplier` < 0, `num_microbatches` < 1,
-        a seed out of range, an invalid stack; at the first step, a scalar loss or a
-        batch `num_microbatches` does not divide.
+        a seed out of range, an invalid stack; at the first step, a scalar loss (or one
+        of unknown rank) or a batch `num_microbatches` does not divide.
     """
 
     once_per_stack = True
@@ -145,15 +149,21 @@ class DifferentialPrivacy(OptimizerWrapper):
     # -- stages ------------------------------------------------------------------------
 
     def transform_loss(self, loss):
-        """Per-example losses -> per-microbatch mean losses, then the wrapped transforms."""
+        """Per-example losses (trailing axes averaged) -> per-microbatch mean losses, then
+        the wrapped transforms."""
         loss = tf.convert_to_tensor(loss)
-        if loss.shape.rank != 1:
+        if loss.shape.rank == 0 or loss.shape.rank is None:
             fix = ("compile with a loss whose reduction=None (e.g. "
                    "keras.losses.MeanSquaredError(reduction=None)) and call dist_minimize.integrate(model)"
-                   if loss.shape.rank == 0 else "reduce every axis but the batch axis first")
+                   if loss.shape.rank == 0 else "give it a static rank")
             raise ValueError(
-                "DifferentialPrivacy needs the vector of per-example losses of the batch (shape [batch]), "
-                f"not a reduced loss: {fix}. Received: loss of shape {tuple(loss.shape)}")
+                "DifferentialPrivacy needs the per-example losses of the batch (shape [batch] or "
+                f"[batch, ...]), not a reduced loss: {fix}. Received: loss of shape "
+                f"{tuple(loss.shape) if loss.shape.rank is not None else None}")
+        if loss.shape.rank > 1:
+            # TF Privacy's rule: an example's loss is the mean of its trailing axes.
+            # (A mean over the axes, not a reshape: the batch axis keeps its static size.)
+            loss = tf.reduce_mean(loss, axis=list(range(1, loss.shape.rank)))
         n = self.num_microbatches
         if n is None:
             microbatch_losses = loss
