@@ -76,6 +76,42 @@ def _identity_grads_and_vars(grads_and_vars):
     return list(grads_and_vars)
 
 
+_ALL_REDUCE_LISTENERS: list = []
+
+
+def listen_to_all_reduce(listener) -> None:
+    """Calls `listener(replica_context, value)` before every
+    `tf.distribute.ReplicaContext.all_reduce` in this process (installed once).
+
+    `all_reduce` is defined on TensorFlow's `ReplicaContextBase` (`distribute_lib`,
+    private) and inherited by every strategy's replica context; it is wrapped there, so
+    the call itself is unchanged. `dist_minimize.aggregation.once` uses it to see a
+    collective made where none may run.
+    """
+    from tensorflow.python.distribute import distribute_lib
+
+    base = distribute_lib.ReplicaContextBase
+    original = base.__dict__.get("all_reduce")
+    if original is None:
+        raise RuntimeError(
+            f"This TensorFlow ({tf.__version__}) has no ReplicaContextBase.all_reduce; dist_minimize "
+            "cannot check that a step aggregates once. Supported: TensorFlow 2.16-2.21.")
+    if listener not in _ALL_REDUCE_LISTENERS:
+        _ALL_REDUCE_LISTENERS.append(listener)
+    if getattr(original, "_dm_listened", False):
+        return
+
+    def all_reduce(self, reduce_op, value, options=None):
+        for heard in _ALL_REDUCE_LISTENERS:
+            heard(self, value)
+        return original(self, reduce_op, value, options)
+
+    all_reduce.__doc__ = original.__doc__
+    all_reduce.__wrapped__ = original
+    all_reduce._dm_listened = True
+    base.all_reduce = all_reduce
+
+
 def inner_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.Strategy | None:
     """The tf.distribute strategy a Keras optimizer captured when it was created."""
     return getattr(optimizer, "_distribution_strategy", None)

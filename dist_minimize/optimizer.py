@@ -25,6 +25,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, _keras_settings, _stages, aggregation, distribute
+from dist_minimize.aggregation import once
 
 # Keras optimizer settings that act per replica, before any aggregation: set on a
 # dist_minimize optimizer they would change nothing, so setting one is refused, naming
@@ -325,7 +326,7 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 "the strategy synchronises its replicas through merge_call, and TensorFlow cannot "
                 "compile such a step (stock Keras fails at run time: 'Trying to access resource ... "
                 "located in device ...'); Keras's own default under a strategy is jit_compile=False")
-        with distribute.deferred_updates() as pending:
+        with distribute.deferred_updates() as pending, once.step():
             if aggregate:
                 grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
@@ -916,7 +917,7 @@ class Optimizer(StagedOptimizer):
         translation = _keras_settings.translate(inner, gradient_fns)
         _keras_settings.disable(inner, translation)
         super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)
-        _compat.disable_keras_all_reduce(inner)
+        once.neutralise(inner)
         self.inner_optimizer = inner
         self._loss_fns = tuple(loss_fns)
         self._unaggregated_fns = tuple(unaggregated_fns)
@@ -941,8 +942,20 @@ class Optimizer(StagedOptimizer):
         return _chain("transform_unaggregated_gradients", self._unaggregated_fns, grads_and_vars)
 
     def aggregate_gradients(self, grads_and_vars):
-        """Applies the constructor's aggregator(s) (default "auto") in order, checking each."""
-        return _chain("aggregate_gradients", self._aggregators, grads_and_vars)
+        """Applies the constructor's aggregator(s) (default "auto") in order, checking each.
+
+        Once per step (a second call in the same step raises `AggregationError`); a
+        backend that declares its plan (`Aggregator.planned_collectives`) must make
+        exactly that many collectives.
+        """
+        once.note_aggregation(f"{type(self).__name__} {self.name!r}")
+        for agg in self._aggregators:
+            stage = f"aggregate_gradients ({_fn_name(agg)})"
+            plan = agg.planned_collectives(grads_and_vars) if isinstance(agg, aggregation.Aggregator) else None
+            with once.planned(plan, f"`{stage}`"):
+                out = agg(grads_and_vars)
+            grads_and_vars = _stages.check_stage_output(stage, grads_and_vars, out)
+        return grads_and_vars
 
     def transform_gradients(self, grads_and_vars):
         """Applies the constructor's `transform_gradients` in order (e.g. the clipper), checking each."""
@@ -950,14 +963,17 @@ class Optimizer(StagedOptimizer):
 
     def apply_updates(self, grads_and_vars):
         """Applies the gradients with the inner Keras optimizer's update rule (no all-reduce)."""
-        device = _ON_DEVICE.index
-        if device is None:
-            self.inner_optimizer.apply_gradients(grads_and_vars)
-            return
-        # Inside the per-device update (`StagedOptimizer._per_device_ok`): what Keras's
-        # `apply` makes on every device, made on this one.
-        _compat.keras_apply_on_device(self.inner_optimizer, tf.distribute.get_strategy(), device,
-                                      [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
+        rule = self.inner_optimizer
+        with once.update_rule(f"The update rule of {type(self).__name__} {self.name!r} "
+                              f"({type(rule).__name__} {rule.name!r})"):
+            device = _ON_DEVICE.index
+            if device is None:
+                rule.apply_gradients(grads_and_vars)
+                return
+            # Inside the per-device update (`StagedOptimizer._per_device_ok`): what Keras's
+            # `apply` makes on every device, made on this one.
+            _compat.keras_apply_on_device(rule, tf.distribute.get_strategy(), device,
+                                          [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
 
     # -- state ---------------------------------------------------------------------------
 
@@ -983,6 +999,7 @@ class Optimizer(StagedOptimizer):
             if hasattr(fn, "build"):
                 fn.build(self, var_list)
         self.inner_optimizer.build(var_list)
+        once.neutralise(self.inner_optimizer)  # sub-optimizers a router creates in `build`
 
     @property
     def skip_nonfinite(self) -> bool:

@@ -141,9 +141,53 @@ def make_model(keras, seed: int = 1):
     return model
 
 
+# Every optimizer class the installed `keras.optimizers` exports is an update rule to
+# wrap, except these (each with its own test).
+NOT_UPDATE_RULES = {
+    "Optimizer": "the abstract base class",
+    "LossScaleOptimizer": "refused by dist_minimize.Optimizer (it decides skips per replica; "
+                          "dist_minimize.LossScaleOptimizer replaces it)",
+}
+KERAS_RULE_LR = 0.01
+
+
+def keras_rule_names(keras) -> list:
+    """The names of every update-rule class `keras.optimizers` exports, read from the
+    installed Keras (a class a later Keras adds is included without editing a test)."""
+    names = []
+    for name in sorted(dir(keras.optimizers)):
+        cls = getattr(keras.optimizers, name)
+        if isinstance(cls, type) and issubclass(cls, keras.optimizers.Optimizer) and name not in NOT_UPDATE_RULES:
+            names.append(name)
+    return names
+
+
+def keras_rule(keras, name: str):
+    """`keras.optimizers.<name>` at learning rate KERAS_RULE_LR (default settings
+    otherwise). MultiOptimizer routes kernels to Adam and everything else to SGD: two
+    different rules, the usual fine-tuning set-up."""
+    cls = getattr(keras.optimizers, name)
+    if name == "MultiOptimizer":
+        return cls(keras.optimizers.OptimizerMap(keras.optimizers.SGD(KERAS_RULE_LR),
+                                                 {".*/kernel": keras.optimizers.Adam(KERAS_RULE_LR)}))
+    return cls(learning_rate=KERAS_RULE_LR)
+
+
+def keras_rule_cases(keras) -> list:
+    """Parity cases "keras.NAME/MODE/CLIP" for every exported update rule: a custom loop
+    with CLIP "some" (the clipper fires on 2 of 4 steps, so a wrong gradient scale shows
+    even for scale-invariant rules such as Adam), and `fit` with no clipper ("none"),
+    which is also compared with stock Keras's `fit` on one device (fit ends with
+    `finalize_variable_values`, which ScheduleFreeAdamW needs to give its weights)."""
+    return [f"keras.{name}/{case}" for name in keras_rule_names(keras) for case in ("tape/some", "fit/none")]
+
+
 def make_inner(keras, name: str):
     """"sgd" (0.1), "adam" (0.01), "momentum", or "NAME-LR" for that learning rate;
-    "adamw": AdamW, weight decay 0.5, learning rate 0.01 halving every step."""
+    "adamw": AdamW, weight decay 0.5, learning rate 0.01 halving every step;
+    "keras.NAME": `keras_rule(keras, NAME)`."""
+    if name.startswith("keras."):
+        return keras_rule(keras, name[len("keras."):])
     base, _, lr = name.partition("-")
     if base == "adamw":
         schedule = keras.optimizers.schedules.ExponentialDecay(float(lr or 0.01), decay_steps=1, decay_rate=0.5)
@@ -158,10 +202,10 @@ def make_inner(keras, name: str):
 
 
 def clip_mode(clip) -> str | None:
-    """True -> "always", False/None -> None (no clipper), else a key of CLIPS."""
+    """True -> "always", False/None/"none" -> None (no clipper), else a key of CLIPS."""
     if clip is True:
         return "always"
-    if clip is False or clip is None:
+    if clip is False or clip is None or clip == "none":
         return None
     if clip not in CLIPS:
         raise ValueError(f"unknown clip mode {clip!r}")
@@ -192,6 +236,8 @@ def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip="always"
     inner = make_inner(keras, opt_name)
     mode = clip_mode(clip)
     if not use_dm:
+        if mode is None:
+            return inner
         config = inner.get_config()
         config["global_clipnorm"] = CLIPS[mode] if mode else None
         return type(inner).from_config(config)
@@ -219,14 +265,16 @@ class MaxAbsRecorder:
         return grads_and_vars
 
 
-def clipped_steps(opt) -> int:
-    """How many steps a dist_minimize optimizer's clipper clipped."""
-    return int(opt.gradient_stats()["clipped_steps"])
+def clipped_steps(opt) -> int | None:
+    """How many steps a dist_minimize optimizer's clipper clipped (None: no clipper)."""
+    clipped = opt.gradient_stats().get("clipped_steps")
+    return None if clipped is None else int(clipped)
 
 
 def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="always",
           dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
-          aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None, wrap=None):
+          aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None, wrap=None,
+          build_first: bool = False):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "fit_integrated" (the same after
@@ -241,6 +289,7 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     loss_denominator: custom loops divide the sum of per-example losses by it (the
       global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
       "mean").
+    build_first: under fit, build the optimizer before `fit` (custom loops always do).
     """
     import dist_minimize as dm
     import keras
@@ -261,6 +310,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
         with strategy.scope():
             loss = keras.losses.MeanSquaredError(reduction=None) if per_example else "mse"
             model.compile(loss=loss, optimizer=opt, run_eagerly=eager)
+            if build_first:
+                opt.build(model.trainable_variables)
         if mode == "fit_integrated":
             dm.integrate(model)
         model.fit(dataset, epochs=1, verbose=0, shuffle=False, steps_per_epoch=steps,

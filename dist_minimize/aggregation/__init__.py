@@ -91,6 +91,9 @@ class AutoAggregator(Aggregator):
     def reduction(self):  # type: ignore[override]
         return self.select().reduction
 
+    def planned_collectives(self, grads_and_vars):
+        return self.select().planned_collectives(grads_and_vars)
+
     def __call__(self, grads_and_vars):
         return self.select()(grads_and_vars)
 

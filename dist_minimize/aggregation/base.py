@@ -37,6 +37,17 @@ class Aggregator(abc.ABC):
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
         """Returns the aggregated (gradient, variable) pairs (see the class contract)."""
 
+    def planned_collectives(self, grads_and_vars: GradsAndVars) -> int | None:
+        """How many collectives `__call__` makes for these gradients here, or None if
+        it does not say (then the number is not checked).
+
+        A tf.distribute replica-context `all_reduce` call counts as one, however many
+        tensors it batches; under Horovod, each collective op. Checked when the call is
+        traced (`dist_minimize.aggregation.once.planned`): an aggregator that makes
+        another number fails with `AggregationError`.
+        """
+        return None
+
     def get_config(self) -> dict:
         return {}
 
@@ -52,6 +63,9 @@ class IdentityAggregator(Aggregator):
 
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
         return list(grads_and_vars)
+
+    def planned_collectives(self, grads_and_vars: GradsAndVars) -> int:
+        return 0
 
 
 def split_nones(grads_and_vars: GradsAndVars):

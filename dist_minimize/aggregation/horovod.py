@@ -180,6 +180,20 @@ class HorovodAggregator(Aggregator):
                 reduced[i] = tf.IndexedSlices(values, indices, g.dense_shape)
         return merge_nones(grads_and_vars, positions, reduced)
 
+    def planned_collectives(self, grads_and_vars: GradsAndVars) -> int | None:
+        """One grouped allreduce for the dense gradients (one allreduce each with
+        Adasum), and two allgathers (values, indices) per sparse one; none on one process."""
+        if tf.executing_eagerly():
+            return None  # eager collectives leave no op to count
+        grads = [g for g, _ in grads_and_vars if g is not None]
+        if not self._hvd.is_initialized() or self._size() == 1 or not grads:
+            return 0
+        sparse = 0 if self.sparse_as_dense else sum(isinstance(g, tf.IndexedSlices) for g in grads)
+        dense = len(grads) - sparse
+        if self.reduction == "adasum":
+            return dense + 2 * sparse
+        return (1 if dense else 0) + 2 * sparse
+
     def _allreduce_kwargs(self, size: int) -> dict:
         hvd = self._hvd
         kwargs = dict(self._set_kwargs())

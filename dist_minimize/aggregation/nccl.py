@@ -105,6 +105,12 @@ class NcclAggregator(Aggregator):
     def _horovod_active() -> bool:
         return distribute.strategy_replicas() == 1 and distribute.horovod_size() > 1
 
+    def planned_collectives(self, grads_and_vars: GradsAndVars) -> int | None:
+        """Under a strategy, `StrategyAggregator`'s plan; under Horovod, not checked."""
+        if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            return StrategyAggregator().planned_collectives(grads_and_vars)
+        return None
+
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
         if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
             strategy = tf.distribute.get_strategy()

@@ -59,6 +59,13 @@ class StrategyAggregator(Aggregator):
     def from_config(cls, config):
         return cls(**config)
 
+    def planned_collectives(self, grads_and_vars: GradsAndVars) -> int:
+        """One all-reduce per dtype of the non-None gradients (none with one replica)."""
+        ctx = tf.distribute.get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1:
+            return 0
+        return len({g.dtype for g, _ in grads_and_vars if g is not None})
+
     def __call__(self, grads_and_vars: GradsAndVars) -> list:
         grads_and_vars = list(grads_and_vars)
         if tf.distribute.in_cross_replica_context() and tf.distribute.has_strategy():

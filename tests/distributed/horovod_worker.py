@@ -3,6 +3,7 @@
 Usage: horovod_worker.py OUT_DIR SCENARIO
   parity   (np=2)  parity cases, allreduce counting, sum, fp16, predivide, sparse,
                    broadcast, metric averaging
+  keras_rules (np=2)  every update rule keras.optimizers exports, tape/some and fit/none
   mpi      (np=2, MPI)  Horovod initialised from an mpi4py sub-communicator; Adasum;
                    mpi4py/Horovod library check
   three    (np=3, MPI)  Adasum refused on 3 processes; a process set built from an mpi4py
@@ -276,6 +277,16 @@ if scenario == "parity":
     results["xla_integrated"] = {"weights": lists(P.weights(model)), "jit_compile": model.jit_compile,
                                  "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
 
+elif scenario == "keras_rules":
+    # Every update rule keras.optimizers exports (test_every_keras_optimizer.py).
+    hvd = dm.horovod_keras.init()
+    rank, size = hvd.rank(), hvd.size()
+    for key in P.keras_rule_cases(keras):
+        name, mode, clip = key.split("/")
+        w, opt, _ = P.train(default, name, mode, clip=clip, dataset=P.local_dataset(rank, size),
+                            loss_denominator=P.GLOBAL_BATCH // size)
+        results[key] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
+                        "clipped_steps": P.clipped_steps(opt)}
 elif scenario == "mpi":
     from mpi4py import MPI
 
