@@ -38,6 +38,8 @@ DP_NOISE = f"{MIRRORED}::test_differential_privacy_noise_does_not_grow_with_repl
 MIRRORED_INPROCESS = "tests/distributed/test_mirrored_inprocess.py"
 MIRRORED_PERDEVICE = "tests/unit/test_compat_canaries.py::test_keras_apply_on_device_makes_the_writes_of_keras_apply"
 DP_NOISE_HOROVOD = f"{HOROVOD}::test_differential_privacy_noise_under_horovod"
+ONE_AGGREGATION = "tests/distributed/test_one_aggregation.py"
+EVERY_RULE = "tests/distributed/test_every_keras_optimizer.py"
 
 
 @dataclass
@@ -257,6 +259,28 @@ MUTATIONS = [
              "            loss = tf.reduce_sum(loss, axis=list(range(1, loss.shape.rank)))\n",
              ["tests/unit/test_ported_semantics.py::test_dp_per_example_loss_with_trailing_axis_is_reduced_by_its_mean",
               "tests/unit/test_ported_semantics.py::test_dp_per_example_loss_with_trailing_axis_under_mirrored_strategy"]),
+    # Issue 22: exactly one aggregation, by construction and checked.
+    Mutation("sub-optimizer-not-neutralised", "only the wrapped Keras optimizer's all-reduce is switched off, "
+             "not its sub-optimizers' (MultiOptimizer aggregated twice)",
+             "dist_minimize/aggregation/once.py",
+             "    found = keras_optimizers(root)\n", "    found = [root]\n",
+             [ONE_AGGREGATION, f"{EVERY_RULE}::test_mirrored"]),
+    Mutation("update-rule-collective-allowed", "a collective inside the update rule is not refused",
+             "dist_minimize/aggregation/once.py",
+             "    if zone.forbid:\n", "    if False:\n",
+             [ONE_AGGREGATION]),
+    Mutation("aggregator-plan-unchecked", "an aggregator that makes more collectives than it plans is not refused",
+             "dist_minimize/aggregation/once.py",
+             "    if plan is not None and len(zone.events) != plan:\n", "    if False:\n",
+             [ONE_AGGREGATION]),
+    Mutation("second-aggregation-allowed", "aggregate_gradients may run twice in one step",
+             "dist_minimize/aggregation/once.py",
+             "    if len(_STATE.aggregations) > 1:\n", "    if len(_STATE.aggregations) > 2:\n",
+             [ONE_AGGREGATION]),
+    Mutation("strategy-plan-one", "the strategy backend plans one all-reduce whatever the dtypes",
+             "dist_minimize/aggregation/strategy.py",
+             "        return len({g.dtype for g, _ in grads_and_vars if g is not None})\n", "        return 1\n",
+             [ONE_AGGREGATION]),
 ]
 
 

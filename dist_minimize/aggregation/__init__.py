@@ -31,6 +31,7 @@ from dist_minimize.aggregation.base import Aggregator, IdentityAggregator, refus
 from dist_minimize import _compat, distribute
 from dist_minimize.aggregation.horovod import HorovodAggregator
 from dist_minimize.aggregation.nccl import NcclAggregator, is_gpu, nccl_plan
+from dist_minimize.aggregation.once import AggregationError
 from dist_minimize.aggregation.strategy import StrategyAggregator
 
 _BACKENDS = {
@@ -125,6 +126,7 @@ def get(identifier: str | Aggregator | Callable | None) -> Callable:
 
 
 __all__ = [
+    "AggregationError",
     "Aggregator",
     "AutoAggregator",
     "HorovodAggregator",

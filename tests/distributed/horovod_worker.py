@@ -287,6 +287,26 @@ elif scenario == "keras_rules":
                             loss_denominator=P.GLOBAL_BATCH // size)
         results[key] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                         "clipped_steps": P.clipped_steps(opt)}
+
+    # What would aggregate twice is refused at the first trace, before any collective runs.
+    class TwiceHorovod(dm.aggregation.HorovodAggregator):
+        def __call__(self, grads_and_vars):
+            return super().__call__(super().__call__(grads_and_vars))
+
+    class AllReducingSGD(keras.optimizers.SGD):
+        def apply(self, grads, trainable_variables=None):
+            return super().apply([hvd.allreduce(g) for g in grads], trainable_variables)
+
+    refusals = {"twice_backend": lambda dm_, o: dm_.Optimizer(keras.optimizers.SGD(0.1),
+                                                                aggregate_gradients=TwiceHorovod()),
+                "allreducing_rule": lambda dm_, o: dm_.Optimizer(AllReducingSGD(0.1))}
+    for key, make in refusals.items():
+        try:
+            P.train(default, "sgd", "callable", wrap=make, dataset=P.local_dataset(rank, size),
+                    loss_denominator=P.GLOBAL_BATCH // size)
+            results[key] = None
+        except dm.aggregation.once.AggregationError as e:
+            results[key] = str(e)
 elif scenario == "mpi":
     from mpi4py import MPI
 

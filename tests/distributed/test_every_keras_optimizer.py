@@ -119,6 +119,17 @@ def test_horovod(horovod, case):
     assert horovod[0][case]["weights"] == horovod[1][case]["weights"]
 
 
+@requires_horovod
+def test_horovod_refuses_what_would_aggregate_twice(horovod):
+    """At the first trace, on every rank: a backend making two grouped allreduces where it
+    plans one, and an update rule calling hvd.allreduce itself."""
+    for rank in horovod:
+        assert "planned 1 collective and made 2" in rank["twice_backend"]
+        assert "HorovodGroupedAllreduce" in rank["twice_backend"]
+        assert "made a collective: a Horovod HorovodAllreduce" in rank["allreducing_rule"]
+        assert "AllReducingSGD" in rank["allreducing_rule"]
+
+
 def test_parity_table():
     """Prints the table of the tests above (run with -s to see it); fails if one is missing."""
     backends = sorted({b for _, b in TABLE})
