@@ -229,6 +229,76 @@ def _factory_name(setting: str) -> str:
     return {"clipnorm": "clip_by_norm", "clipvalue": "clip_by_value", "global_clipnorm": "clip_by_global_norm"}[setting]
 
 
+# -- setting the clip settings on a dist_minimize optimizer ------------------------------
+
+
+def assign_clip(optimizer, setting: str, value: Any) -> None:
+    """`optimizer.clipnorm = value` (or `clipvalue`, `global_clipnorm`) on a dist_minimize
+    stack, as tf-keras allows between steps.
+
+    The clipper of that kind in the `transform_gradients` of the stack's `Optimizer`
+    (from the Keras setting, or given there) gets the new bound, which the next step
+    reads, traced or not (`dist_minimize.transforms.clipping._Bound`); None turns it
+    off. Where the stack holds no such clipper, one is appended last (as the Keras
+    setting's translation does) while the optimizer is not built; after `build` that is
+    refused: a traced step would not see a new transform.
+
+    Args:
+      optimizer: any optimizer of a dist_minimize stack.
+      setting: "clipnorm", "clipvalue" or "global_clipnorm".
+      value: a positive finite number, or None to turn clipping off.
+
+    Raises:
+      ValueError: an invalid value (`check_setting`); two clippers of that kind in the
+        stack (which one is meant is a guess); no such clipper and another clipper is
+        on.
+      TypeError: no such clipper and the optimizer is built (naming how to build it
+        with one); a value that is no number; a stack whose innermost optimizer is not
+        a `dist_minimize.Optimizer`.
+    """
+    from dist_minimize.optimizer import Optimizer
+
+    name = type(optimizer).__name__
+    value = check_setting(setting, value, name)
+    core = optimizer.stack()[-1]
+    if not isinstance(core, Optimizer):
+        raise TypeError(f"`{setting}` can be set on a stack around a `dist_minimize.Optimizer` only. "
+                        f"Received: {setting}={value!r} on {name} around {type(core).__name__}")
+    classes = _clipper_classes()
+    cls = classes[setting]
+    attribute = "clip_value" if setting == "clipvalue" else "clip_norm"
+    found = [fn for fn in core._gradient_fns if isinstance(fn, cls)]
+    if len(found) > 1:
+        raise ValueError(
+            f"The optimizer's `transform_gradients` holds {len(found)} {cls.__name__} transforms: which one "
+            f"`{setting}` means is a guess. Set the bound on the one you mean: `clipper.{attribute} = ...` "
+            f"(`optimizer.stack()[-1].transforms`). Received: {setting}={value!r} on {name}")
+    if found:
+        setattr(found[0], attribute, value)
+        return
+    if value is None:
+        return  # nothing of that kind clips: already off
+    if optimizer.built or core.built:
+        raise TypeError(
+            f"Setting `{setting}` on a built optimizer whose `transform_gradients` holds no {cls.__name__} "
+            "would change nothing: a step already traced would not run a new transform. Set it before the "
+            f"first step (or `build`), or build the optimizer with it: `dist_minimize.Optimizer(keras_optimizer, "
+            f"transform_gradients=dist_minimize.{_factory_name(setting)}({value!r}))`, or `{setting}={value!r}` "
+            f"on the Keras optimizer given to `dist_minimize.Optimizer`. Received: {setting}={value!r} on a "
+            f"built {name}")
+    active = [fn for fn in core._gradient_fns if isinstance(fn, tuple(classes.values()))
+              and getattr(fn, "clip_value" if isinstance(fn, classes["clipvalue"]) else "clip_norm") is not None]
+    if active:
+        raise ValueError(
+            f"`{setting}={value!r}` would add a {cls.__name__} next to the "
+            f"{', '.join(type(fn).__name__ for fn in active)} of `transform_gradients`: both would clip, and "
+            f"which first is a guess. Keep one (set the other's bound to None first). Received: "
+            f"{setting}={value!r} on {name}")
+    core._gradient_fns = core._gradient_fns + (_make(cls, value, setting, name),)
+    logger.info("%s %r: %s=%r -> transform_gradients += dist_minimize.%s(%r) (after aggregation, last).",
+                name, optimizer.name, setting, value, _factory_name(setting), value)
+
+
 # -- reading the settings on a dist_minimize optimizer -----------------------------------
 
 

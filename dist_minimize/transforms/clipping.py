@@ -24,6 +24,85 @@ from dist_minimize.transforms.base import (
 _LAST_NORM, _LAST_CLIPPED, _NORM_SUM, _STEPS, _CLIPPED_STEPS, _NONFINITE_STEPS = range(6)
 
 
+class _Bound:
+    """The settable clip bound shared by the clippers (`clip_norm` or `clip_value`).
+
+    Until `build` it is a Python number, made a constant of the step. `build` puts it in
+    a variable (mirrored under a strategy) that the step reads, so that assigning the
+    attribute later (`clipper.clip_norm = 2.0`, or `optimizer.clipnorm = 2.0` on the
+    optimizer holding the clipper) reaches a step that is already traced (a
+    `tf.function` custom loop, Keras's `fit` train function) from its next run, without
+    retracing. `None` means no clipping: the variable then holds +inf, with which every
+    clipper returns its input unchanged (bitwise).
+
+    The variable is not checkpointed or saved (it is no dependency of the optimizer):
+    the bound is configuration, like Keras's `clipnorm`, and `get_config` returns the
+    current value, so a saved model restores it from its config; a checkpoint restored
+    into an optimizer keeps that optimizer's bound. Saving it as well would let a
+    checkpoint change the bound behind the config's back, and would change the number of
+    optimizer variables that files saved before hold.
+    """
+
+    _bound_name = "clip_norm"
+    # The bound's dtype in the variable: float64 for the norms (cast to the norm's
+    # dtype, as the Python number was); ClipByValue made its bound a float32 first.
+    _bound_dtype = tf.float64
+
+    def _init_bound(self, value) -> None:
+        self._bound = _check_bound(self._bound_name, value)
+        self._bound_variable = None
+
+    def _get_bound(self):
+        return self._bound
+
+    def _set_bound(self, value) -> None:
+        value = _check_bound(self._bound_name, value)
+        if self._bound_variable is not None:
+            self._bound_variable.assign(_stored(value))
+        self._bound = value
+
+    def _build_bound(self) -> None:
+        if self._bound_variable is not None:
+            return
+        self._bound_variable = tf.Variable(
+            _stored(self._bound), dtype=self._bound_dtype, trainable=False,
+            synchronization=tf.VariableSynchronization.ON_WRITE,
+            aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            name=f"{type(self).__name__}_{self._bound_name}")
+
+    def _bound_tensor(self, dtype) -> tf.Tensor:
+        """The bound as a tensor of `dtype` (+inf for None)."""
+        if self._bound_variable is not None:
+            return tf.cast(tf.convert_to_tensor(self._bound_variable), dtype)
+        return tf.cast(tf.constant(_stored(self._bound), self._bound_dtype), dtype)
+
+    @property
+    def bound_variable(self) -> tf.Variable | None:
+        """The variable the step reads the bound from (None before `build`)."""
+        return self._bound_variable
+
+
+def _check_bound(name: str, value):
+    return None if value is None else check_positive_finite(name, value)
+
+
+def _stored(value) -> float:
+    return float("inf") if value is None else value
+
+
+def _scale_factor(norm: tf.Tensor, clip: tf.Tensor, finite: tf.Tensor | None = None) -> tf.Tensor:
+    """`clip / norm` where the norm exceeds the bound, 1 where it does not (so a bound of
+    +inf gives exactly 1), NaN where the norm is not finite: the non-finite guard then
+    skips the step everywhere; `clip / inf = 0` would instead apply an all-zero step
+    (advancing `iterations` and decaying Adam's moments). Bitwise the former
+    `clip / max(norm, clip)` for a finite bound. `finite`: `is_finite(norm)`, when the
+    caller has it already (one check per step)."""
+    if finite is None:
+        finite = tf.math.is_finite(norm)
+    one = tf.ones_like(norm)
+    return tf.where(finite, tf.where(norm > clip, clip / norm, one), tf.constant(float("nan"), norm.dtype))
+
+
 def global_norm(gradients) -> tf.Tensor:
     """The L2 norm of all gradients together, accumulated in float32 (or float64).
 
@@ -41,7 +120,7 @@ def global_norm(gradients) -> tf.Tensor:
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
-class ClipByGlobalNorm(GradientTransform):
+class ClipByGlobalNorm(_Bound, GradientTransform):
     """Scales all gradients by `clip_norm / max(global_norm, clip_norm)`.
 
     In `transform_gradients` the norm is that of the aggregated gradients, so every
@@ -63,11 +142,17 @@ class ClipByGlobalNorm(GradientTransform):
     and running totals `norm_sum`, `steps`, `clipped_steps`, `nonfinite_steps`, from
     which `dist_minimize.callbacks.GradientStatsLogger` reports per-epoch means.
 
+    The bound may be changed between steps: `clipper.clip_norm = 2.0` (or
+    `optimizer.clipnorm = 2.0` on the optimizer holding it; None turns clipping off)
+    applies from the next step, also in a traced step (see `_Bound`).
+
     Args:
-      clip_norm: the maximum global norm, a positive finite number.
+      clip_norm: the maximum global norm, a positive finite number, or None for no
+        clipping (the statistics are still recorded).
 
     Raises:
-      ValueError: `clip_norm` is not positive and finite.
+      ValueError: `clip_norm` is not positive and finite (nor None).
+      TypeError: `clip_norm` is a string or no number.
 
     Example:
       >>> opt = dist_minimize.Optimizer(
@@ -75,16 +160,21 @@ class ClipByGlobalNorm(GradientTransform):
       ...     transform_gradients=dist_minimize.clip_by_global_norm(1.0))
     """
 
-    def __init__(self, clip_norm: float):
-        self.clip_norm = check_positive_finite("clip_norm", clip_norm)
+    def __init__(self, clip_norm: float | None):
+        self._init_bound(clip_norm)
         self._state = None
+
+    clip_norm = property(_Bound._get_bound, _Bound._set_bound,
+                         doc="The maximum global norm (None: no clipping); settable between steps.")
 
     def statistics_variables(self):
         """The statistics vector (once built)."""
         return [self._state] if self._state is not None else []
 
     def build(self, optimizer, variables):
-        """Creates the statistics vector (mirrored, checkpointed with the optimizer)."""
+        """Creates the statistics vector (mirrored, checkpointed with the optimizer) and
+        the bound's variable (mirrored, not checkpointed: see `_Bound`)."""
+        self._build_bound()
         if self._state is not None:
             return
         self._state = optimizer.add_variable(
@@ -99,13 +189,11 @@ class ClipByGlobalNorm(GradientTransform):
         grads_and_vars = list(grads_and_vars)
         grads = [g for g, _ in grads_and_vars]
         norm = global_norm(grads)
-        clip = tf.constant(self.clip_norm, norm.dtype)
+        clip = self._bound_tensor(norm.dtype)
         # A norm that is not finite (an inf/NaN gradient, or finite gradients whose norm
-        # overflows) gives a NaN factor, so the scaled gradients are not finite and the
-        # non-finite guard skips the step everywhere; clip / inf = 0 would instead apply
-        # an all-zero step (advancing `iterations` and decaying Adam's moments).
+        # overflows) gives a NaN factor (`_scale_factor`).
         finite = tf.math.is_finite(norm)
-        factor = tf.where(finite, clip / tf.maximum(norm, clip), tf.constant(float("nan"), norm.dtype))
+        factor = _scale_factor(norm, clip, finite)
         if self._state is not None:
             self._record(norm, clip, finite)
 
@@ -153,25 +241,37 @@ class ClipByGlobalNorm(GradientTransform):
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
-class ClipByNorm(GradientTransform):
+class ClipByNorm(_Bound, GradientTransform):
     """Clips each gradient tensor to an L2 norm of at most `clip_norm`, independently.
 
-    `IndexedSlices` are clipped as the dense gradient they sum to.
+    `IndexedSlices` are clipped as the dense gradient they sum to. The bound may be
+    changed between steps, as `ClipByGlobalNorm`'s.
 
     Args:
-      clip_norm: the maximum norm of each tensor, a positive finite number.
+      clip_norm: the maximum norm of each tensor, a positive finite number, or None
+        for no clipping.
+
+    Raises:
+      ValueError: `clip_norm` is not positive and finite (nor None).
+      TypeError: `clip_norm` is a string or no number.
     """
 
-    def __init__(self, clip_norm: float):
-        self.clip_norm = check_positive_finite("clip_norm", clip_norm)
+    def __init__(self, clip_norm: float | None):
+        self._init_bound(clip_norm)
+
+    clip_norm = property(_Bound._get_bound, _Bound._set_bound,
+                         doc="The maximum norm of each tensor (None: no clipping); settable between steps.")
+
+    def build(self, optimizer, variables):
+        """Creates the bound's variable (mirrored, not checkpointed: see `_Bound`)."""
+        self._build_bound()
 
     def __call__(self, grads_and_vars):
         def clip(values):
             norm = global_norm([values])
-            c = tf.constant(self.clip_norm, norm.dtype)
             # As in ClipByGlobalNorm: a norm that is not finite gives NaN, so the guard
             # skips the step instead of applying a zero step.
-            factor = tf.where(tf.math.is_finite(norm), c / tf.maximum(norm, c), tf.constant(float("nan"), norm.dtype))
+            factor = _scale_factor(norm, self._bound_tensor(norm.dtype))
             return values * tf.cast(factor, values.dtype)
 
         return [(map_gradient(g, clip), v) for g, v in grads_and_vars]
@@ -182,22 +282,37 @@ class ClipByNorm(GradientTransform):
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
-class ClipByValue(GradientTransform):
+class ClipByValue(_Bound, GradientTransform):
     """Clips every gradient element to `[-clip_value, clip_value]`.
 
     `IndexedSlices` are clipped as the dense gradient they sum to (rows of repeated
-    indices are summed first).
+    indices are summed first). The bound may be changed between steps, as
+    `ClipByGlobalNorm`'s.
 
     Args:
-      clip_value: a positive finite number.
+      clip_value: a positive finite number, or None for no clipping.
+
+    Raises:
+      ValueError: `clip_value` is not positive and finite (nor None).
+      TypeError: `clip_value` is a string or no number.
     """
 
-    def __init__(self, clip_value: float):
-        self.clip_value = check_positive_finite("clip_value", clip_value)
+    _bound_name = "clip_value"
+    _bound_dtype = tf.float32
+
+    def __init__(self, clip_value: float | None):
+        self._init_bound(clip_value)
+
+    clip_value = property(_Bound._get_bound, _Bound._set_bound,
+                          doc="The largest absolute element (None: no clipping); settable between steps.")
+
+    def build(self, optimizer, variables):
+        """Creates the bound's variable (mirrored, not checkpointed: see `_Bound`)."""
+        self._build_bound()
 
     def __call__(self, grads_and_vars):
         def clip(values):
-            c = tf.cast(self.clip_value, values.dtype)
+            c = self._bound_tensor(values.dtype)
             return tf.clip_by_value(values, -c, c)
 
         return [(map_gradient(g, clip), v) for g, v in grads_and_vars]
