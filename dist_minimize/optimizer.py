@@ -30,11 +30,9 @@ from dist_minimize.aggregation import once
 # Keras optimizer settings that act per replica, before any aggregation: set on a
 # dist_minimize optimizer they would change nothing, so setting one is refused, naming
 # what to use instead. (On the wrapped Keras optimizer they are translated:
-# `_keras_settings`.)
+# `_keras_settings`.) `clipnorm`, `clipvalue` and `global_clipnorm` may be set: they
+# reach the stack's clipper (`_keras_setting_property`).
 _PER_REPLICA_SETTINGS = {
-    "clipnorm": "transform_gradients=dist_minimize.clip_by_norm({})",
-    "clipvalue": "transform_gradients=dist_minimize.clip_by_value({})",
-    "global_clipnorm": "transform_gradients=dist_minimize.clip_by_global_norm({})",
     "gradient_accumulation_steps": "dist_minimize.GradientAccumulation(optimizer, steps={}) around it, or "
     "gradient_accumulation_steps={} on the Keras optimizer given to dist_minimize.Optimizer",
     "use_ema": "dist_minimize.MovingAverage(optimizer, average_decay=..., start_step=1) around it, or "
@@ -51,13 +49,20 @@ def _keras_setting_property(setting: str) -> property:
         # Keras's base constructor assigns each one (its defaults): nothing to keep.
         if not getattr(self, "_dm_constructed", False):
             return
+        if setting in _keras_settings.CLIP_SETTINGS:
+            # tf-keras allows `opt.clipnorm = 2.0` between steps: the stack's clipper takes
+            # the new bound from the next step (None: off); see `_keras_settings.assign_clip`.
+            _keras_settings.assign_clip(self, setting, value)
+            return
         if value != get(self):
             raise TypeError(
                 f"`{setting}` on a dist_minimize optimizer reports the stack (what applies after "
                 f"aggregation: {setting}={get(self)!r}); it cannot be changed by assignment. Build the "
                 f"optimizer with the setting you want. Received: {setting}={value!r} on {type(self).__name__}")
 
-    return property(get, set, doc=f"Keras's `{setting}`, as the stack applies it (read-only).")
+    writable = setting in _keras_settings.CLIP_SETTINGS
+    return property(get, set, doc=f"Keras's `{setting}`, as the stack applies it "
+                                  f"({'settable between steps' if writable else 'read-only'}).")
 
 
 # The device types on which the guarded update may be made device by device. An
@@ -192,8 +197,7 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 return self.minimize(loss, variables, tape=tape)
         variables = list(variables)
         if not self.built:  # the stages may use the optimizer's state from the first one on
-            with keras.name_scope(self.name, caller=self):
-                self.build(variables)
+            self._build_on_first_use(variables)
         if callable(loss):
             tape = tape if tape is not None else tf.GradientTape()
             with tape:
@@ -233,13 +237,41 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         if not grads_and_vars:
             return self.iterations
         if not self.built:
-            with keras.name_scope(self.name, caller=self):
-                self.build([v for _, v in grads_and_vars])
+            self._build_on_first_use([v for _, v in grads_and_vars])
         if aggregate:
             grads_and_vars = self._run_stage(
                 "transform_unaggregated_gradients", self.transform_unaggregated_gradients, grads_and_vars)
         self.run_update(grads_and_vars, top=self, aggregate=aggregate)
         return self.iterations
+
+    def _build_on_first_use(self, variables: list) -> None:
+        """Builds the stack from `minimize`/`apply_gradients` when `build` was not called.
+
+        As an explicit `build` under the strategy scope would: once, in the cross-replica
+        context (a `merge_call` from the replicas), outside any function being traced
+        (`tf.init_scope`), under the strategy in use. Built in the replica context of a
+        traced step instead, a variable whose initial value the graph computes (a
+        replica's copy of the first replica's value, a slot that starts from the weights)
+        cannot be lifted out of the function: under MirroredStrategy TensorFlow then
+        fails with "You must feed a value for placeholder tensor
+        'cond/else/_1/cond/Placeholder'".
+
+        Args:
+          variables: the variables to build for (the first step's).
+        """
+        strategy = tf.distribute.get_strategy()
+
+        def build(*_):
+            if self.built:
+                return
+            with tf.init_scope(), strategy.scope(), keras.name_scope(self.name, caller=self):
+                self.build(variables)
+
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            build()
+        else:
+            context.merge_call(build)
 
     @contextlib.contextmanager
     def _decaying_step(self, decay_var_list):

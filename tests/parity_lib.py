@@ -71,6 +71,14 @@ PRIVACY_WRAPPERS = {
                                                      seed=5),
 }
 PROBE_SIZE, PROBE_LR = 20000, 0.5
+# More stacks `train(wrap=...)` takes by name.
+EXTRA_STACKS = {
+    "stack": WEIGHT_STACK,
+    "loss_scale": lambda dm, o: dm.LossScaleOptimizer(o, initial_scale=8.0, dynamic=True, growth_interval=1),
+}
+# Stacks built on first use (no `build` before the first traced step) in the process
+# tests (MultiWorkerMirroredStrategy, horovodrun): "lazy:WRAP/MODE/CLIP" cases.
+LAZY_CASES = ["lazy:stack/tape/some", "lazy:loss_scale/callable/some", "lazy:dp/tape/some"]
 
 
 def privacy_noise(strategy, dataset=None, steps: int = 2) -> dict:
@@ -274,7 +282,7 @@ def clipped_steps(opt) -> int | None:
 def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="always",
           dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
           aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None, wrap=None,
-          build_first: bool = False):
+          build_first: bool = False, lazy: bool = False):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "fit_integrated" (the same after
@@ -289,7 +297,9 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     loss_denominator: custom loops divide the sum of per-example losses by it (the
       global batch under tf.distribute or Horovod "sum"; the local batch for Horovod
       "mean").
-    build_first: under fit, build the optimizer before `fit` (custom loops always do).
+    build_first: under fit, build the optimizer before `fit`.
+    lazy: in a custom loop, do not build the optimizer before the first step (it builds
+      on first use, inside the traced step).
     """
     import dist_minimize as dm
     import keras
@@ -302,6 +312,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
         per_example = wrap in PRIVACY_WRAPPERS
         if callable(wrap):
             opt = wrap(dm, opt)
+        elif wrap in EXTRA_STACKS:
+            opt = EXTRA_STACKS[wrap](dm, opt)
         elif wrap is not None:
             opt = (PRIVACY_WRAPPERS if per_example else WEIGHT_WRAPPERS)[wrap](dm, opt)
     if dataset is None:
@@ -318,8 +330,9 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
                   callbacks=list(callbacks))
         return weights(model), opt, model
 
-    with strategy.scope():
-        opt.build(model.trainable_variables)
+    if not lazy:
+        with strategy.scope():
+            opt.build(model.trainable_variables)
     if not isinstance(dataset, tf.distribute.DistributedDataset):
         dataset = strategy.experimental_distribute_dataset(dataset)
 
@@ -464,3 +477,13 @@ def train_batches(model, opt, x, y, batches) -> None:
     for i in batches:
         sl = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
         step(x[sl], y[sl])
+
+
+def train_case(strategy, case: str, **kwargs):
+    """`train` for a case "OPT/MODE[/CLIP]" or "lazy:WRAP/MODE/CLIP" (SGD 0.01 in the stack
+    WRAP, built on first use); returns (weights, optimizer, model)."""
+    opt_name, mode, *rest = case.split("/")
+    clip = rest[0] if rest else "always"
+    if opt_name.startswith("lazy:"):
+        return train(strategy, "sgd-0.01", mode, clip=clip, wrap=opt_name[len("lazy:"):], lazy=True, **kwargs)
+    return train(strategy, opt_name, mode, clip=clip, **kwargs)

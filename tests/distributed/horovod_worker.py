@@ -281,10 +281,9 @@ elif scenario == "keras_rules":
     # Every update rule keras.optimizers exports (test_every_keras_optimizer.py).
     hvd = dm.horovod_keras.init()
     rank, size = hvd.rank(), hvd.size()
-    for key in P.keras_rule_cases(keras):
-        name, mode, clip = key.split("/")
-        w, opt, _ = P.train(default, name, mode, clip=clip, dataset=P.local_dataset(rank, size),
-                            loss_denominator=P.GLOBAL_BATCH // size)
+    for key in P.keras_rule_cases(keras) + P.LAZY_CASES:
+        w, opt, _ = P.train_case(default, key, dataset=P.local_dataset(rank, size),
+                                 loss_denominator=P.GLOBAL_BATCH // size)
         results[key] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                         "clipped_steps": P.clipped_steps(opt)}
 

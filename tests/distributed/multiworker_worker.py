@@ -80,7 +80,7 @@ for case in cases:
                              "frames": [f.name for f in traceback.extract_tb(e.__traceback__)]}
         continue
     dataset = strategy.distribute_datasets_from_function(local_dataset)
-    got, opt, _ = P.train(strategy, opt_name, mode, dataset=dataset, clip=clip)
+    got, opt, _ = P.train_case(strategy, case, dataset=dataset)
     results[case] = {
         "weights": [w.tolist() for w in got],
         "iterations": int(opt.iterations.numpy()),

@@ -10,14 +10,18 @@ this file (`parity_lib.keras_rule_names`). Two cases each:
   which steps clip and by how much (MultiOptimizer routes kernels to Adam, the rest to
   SGD, so both a scale-invariant and a scale-sensitive rule are in play);
 * "fit/none": `model.fit` (through `dist_minimize.integrate` under
-  MultiWorkerMirroredStrategy, where Keras's own `fit` fails) with no clipper, against STOCK Keras's `fit` on one device (an
-  independent reference). The stock reference is built before `fit`: Keras 3.15.1 on one
-  device builds ScheduleFreeAdamW lazily inside the traced train function and loses its
-  build-time `assign` (its momentum starts at 0 instead of the weights: 0.70 away after 4
-  steps, against 0.022 when built first), which is Keras's one-device defect, not the
-  parity under test.
+  MultiWorkerMirroredStrategy, where Keras's own `fit` fails) with no clipper, against
+  STOCK Keras's `fit` on one device (an independent reference). The stock reference is
+  built before `fit`: Keras 3.15.1 without a strategy builds ScheduleFreeAdamW lazily
+  inside the traced train function and loses its build-time `assign` (its momentum starts
+  at 0 instead of the weights: 0.70 away after 4 steps, against 0.022 when built first).
+  dist_minimize builds on first use outside the traced function, so under horovodrun
+  (no strategy, built by `fit` on first use) it matches the built-first reference.
 Tolerance 1e-6: float32 sums over 2 replicas differ from one device's in the last bits
 (measured at most 1.2e-7 here); a double aggregation moves the weights by 1e-2 or more.
+
+The process tests also build three stacks on first use (`parity_lib.LAZY_CASES`: every
+wrapper at once, dynamic loss scaling, DP), against the built-first run on one device.
 """
 
 import json
@@ -38,6 +42,7 @@ CASES = P.keras_rule_cases(keras)
 # Keras's own trainer cannot run `fit` under MultiWorkerMirroredStrategy
 # (test_multiworker.py's anchor): there it runs through `dist_minimize.integrate`.
 MW_CASES = {case: case.replace("/fit/", "/fit_integrated/") for case in CASES}
+MW_CASES.update({case: case for case in P.LAZY_CASES})
 TOL = 1e-6
 DEFAULT = tf.distribute.get_strategy()
 _refs: dict = {}
@@ -117,6 +122,35 @@ def test_horovod(horovod, case):
         r = rank[case]
         check(case, "horovod", r["weights"], r["iterations"], r["clipped_steps"])
     assert horovod[0][case]["weights"] == horovod[1][case]["weights"]
+
+
+def lazy_reference(case: str) -> list:
+    """One device, built before the first step, for a "lazy:WRAP/MODE/CLIP" case."""
+    if case not in _refs:
+        wrap, mode, clip = case[len("lazy:"):].split("/")
+        _refs[case], _, _ = P.train(DEFAULT, "sgd-0.01", mode, clip=clip, wrap=wrap, aggregate="none")
+    return _refs[case]
+
+
+def check_lazy(case: str, results: list) -> None:
+    for r in results:
+        diff = P.max_abs_diff(lazy_reference(case), [np.array(w, dtype=np.float32) for w in r[case]["weights"]])
+        assert diff <= TOL, f"{case}: {diff:.3g} away from the built-first run on one device"
+    assert results[0][case]["weights"] == results[1][case]["weights"]
+
+
+@pytest.mark.parametrize("case", P.LAZY_CASES)
+def test_lazy_build_multiworker(multiworker, case):
+    """Issue 22: a stack not built before its first traced step builds there, as stock
+    Keras does, and trains as the built-first run (loss scaling, accumulation, every weight
+    wrapper, DP)."""
+    check_lazy(case, multiworker)
+
+
+@requires_horovod
+@pytest.mark.parametrize("case", P.LAZY_CASES)
+def test_lazy_build_horovod(horovod, case):
+    check_lazy(case, horovod)
 
 
 @requires_horovod
