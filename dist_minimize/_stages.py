@@ -64,7 +64,39 @@ def as_grads_and_vars(grads_and_vars: Any, argument: str = "grads_and_vars", con
     pairs = [tuple(p) for p in pairs]
     if convert:
         pairs = [(as_gradient(g, v), v) for g, v in pairs]
+        check_variables_in_strategy([v for _, v in pairs])
     return pairs
+
+
+def check_variables_in_strategy(variables: Sequence) -> None:
+    """Under a tf.distribute strategy of several replicas, every variable to update must
+    have been created in its scope (a single-copy variable cannot be updated by
+    replicas: TensorFlow fails with a bare AssertionError or IndexError).
+
+    Raises:
+      ValueError: a variable created outside `strategy.scope()` (naming it and the fix).
+    """
+    if not tf.distribute.has_strategy():
+        return
+    strategy = tf.distribute.get_strategy()
+    if strategy.num_replicas_in_sync <= 1:
+        return
+    for v in variables:
+        raw = getattr(v, "value", v) if _is_keras_variable(v) else v
+        if not isinstance(raw, tf.Variable) or strategy.extended.variable_created_in_scope(raw):
+            continue
+        raise ValueError(
+            f"Variable `{variable_name(v)}` was created outside `strategy.scope()` of the "
+            f"{type(strategy).__name__} in use ({strategy.num_replicas_in_sync} replicas): it has a single copy, "
+            "which the replicas cannot update. Create it (the model, and every variable trained) inside "
+            "`with strategy.scope():`. Received: a variable of type "
+            f"{type(raw).__name__} on {getattr(raw, 'device', '?')}")
+
+
+def _is_keras_variable(v) -> bool:
+    import keras
+
+    return isinstance(v, keras.Variable)
 
 
 def as_gradient(gradient: Any, variable: Any) -> Any:

@@ -50,6 +50,8 @@ def integrate(model: keras.Model) -> keras.Model:
     Raises:
       TypeError: `model` is not a compiled Keras model, or its optimizer is not a
         dist_minimize optimizer.
+      ValueError: `steps_per_execution` > 1 under a strategy where Keras's multi-step
+        train function cannot run (`steps_per_execution_blocker`).
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a Keras model. Received: model={model!r} of type {type(model).__name__}")
@@ -59,6 +61,10 @@ def integrate(model: keras.Model) -> keras.Model:
             "`integrate(model)` needs a model compiled with a dist_minimize optimizer: call "
             "`model.compile(optimizer=dist_minimize.Optimizer(...), ...)` first. Received: "
             f"optimizer={type(optimizer).__name__ if optimizer is not None else None}")
+    with model.distribute_strategy.scope():
+        blocker = steps_per_execution_blocker(model)
+    if blocker:
+        raise ValueError(blocker)
     model.train_function = None  # Keras caches it at the first fit; rebuild it with this step
     strategy = model.distribute_strategy
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
@@ -82,6 +88,36 @@ def integrate(model: keras.Model) -> keras.Model:
                            model.name, "; ".join(reasons))
             model.jit_compile = False
     return model
+
+
+def steps_per_execution_blocker(model: keras.Model) -> str | None:
+    """Why `model.fit` cannot run its `steps_per_execution` here (None: it can).
+
+    Keras 3 runs `steps_per_execution` > 1 steps as a `tf.while_loop` whose body calls
+    `strategy.run` under a `tf.cond`. Under MirroredStrategy on CPU devices (measured:
+    TensorFlow 2.18.1, Keras 3.15.1, 2 replicas), that function fails at its first
+    step with "You must feed a value for placeholder tensor
+    'while/body/.../while/cond/Placeholder' with dtype int32", with stock Keras
+    optimizers as with dist_minimize's; one step per execution works. Other devices
+    were not measured and are let through.
+
+    Args:
+      model: a compiled Keras model (the current strategy is the model's).
+
+    Returns:
+      The error message naming the limit and the fix, or None.
+    """
+    steps = getattr(model, "steps_per_execution", 1) or 1
+    if steps <= 1 or distribute.strategy_replicas() <= 1 or not distribute.uses_merge_call():
+        return None
+    if not distribute.worker_device_types() <= {"CPU"}:
+        return None
+    return (f"`steps_per_execution={steps}` cannot run under {type(tf.distribute.get_strategy()).__name__} on "
+            f"CPU devices ({distribute.strategy_replicas()} replicas): Keras's multi-step train function (a "
+            "tf.while_loop over strategy.run) fails there at its first step with \"You must feed a value for "
+            "placeholder tensor 'while/.../Placeholder'\" (stock Keras optimizers alike; TensorFlow "
+            f"{tf.__version__}, Keras {keras.__version__}). Compile with `steps_per_execution=1` (the default) "
+            f"under this strategy. Received: steps_per_execution={steps} for model {model.name!r}")
 
 
 def _as_vector(value):
