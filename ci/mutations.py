@@ -281,6 +281,48 @@ MUTATIONS = [
              "dist_minimize/aggregation/strategy.py",
              "        return len({g.dtype for g, _ in grads_and_vars if g is not None})\n", "        return 1\n",
              [ONE_AGGREGATION]),
+    # Issue 22 (A-E): Keras settings validated, gradient forms converted, clip bounds
+    # settable between steps, lazy build under MirroredStrategy, strategy limits named.
+    Mutation("keras-clip-setting-unchecked", "an invalid Keras clip setting (<= 0, NaN, inf) is not checked in Keras style",
+             "dist_minimize/_keras_settings.py",
+             "        check_setting(setting, value, name)\n        t.disable[setting] = None\n",
+             "        t.disable[setting] = None\n",
+             ["tests/unit/test_keras_settings_validation.py::test_an_invalid_translated_setting_is_refused_in_keras_style"]),
+    Mutation("gradient-lists-not-converted", "gradients given as lists, NumPy arrays or numbers are passed on unconverted",
+             "dist_minimize/_stages.py",
+             "        pairs = [(as_gradient(g, v), v) for g, v in pairs]\n",
+             "        pairs = [(g, v) for g, v in pairs]\n",
+             ["tests/unit/test_gradient_forms.py"]),
+    Mutation("clip-setter-ignored", "`opt.clipnorm = v` on a stack with that clipper keeps the old bound",
+             "dist_minimize/_keras_settings.py",
+             "        setattr(found[0], attribute, value)\n",
+             "        pass\n",
+             ["tests/unit/test_keras_settings_validation.py::"
+              "test_a_clip_set_between_steps_of_a_traced_loop_applies_from_the_next_step"]),
+    Mutation("clip-bound-baked-into-trace", "a built clipper uses its bound as a constant of the trace, not its variable",
+             "dist_minimize/transforms/clipping.py",
+             "        if self._bound_variable is not None:\n"
+             "            return tf.cast(tf.convert_to_tensor(self._bound_variable), dtype)\n",
+             "        if False:\n"
+             "            return tf.cast(tf.convert_to_tensor(self._bound_variable), dtype)\n",
+             ["tests/unit/test_keras_settings_validation.py::"
+              "test_a_clip_set_between_steps_of_a_traced_loop_applies_from_the_next_step",
+              "tests/unit/test_keras_settings_validation.py::test_a_clip_set_between_two_fits_applies_to_the_second"]),
+    Mutation("lazy-build-in-trace", "a build on first use runs inside the traced step (no init_scope)",
+             "dist_minimize/optimizer.py",
+             "            with tf.init_scope(), strategy.scope(), keras.name_scope(self.name, caller=self):\n",
+             "            with strategy.scope(), keras.name_scope(self.name, caller=self):\n",
+             ["tests/unit/test_lazy_build.py"]),
+    Mutation("steps-per-execution-let-through", "integrate lets steps_per_execution > 1 through under MirroredStrategy on CPUs",
+             "dist_minimize/fit.py",
+             "    if blocker:\n        raise ValueError(blocker)\n",
+             "    if False:\n        raise ValueError(blocker)\n",
+             ["tests/unit/test_strategy_limits.py::test_steps_per_execution_under_mirrored_cpus_is_refused_at_integrate"]),
+    Mutation("outside-scope-unchecked", "apply_gradients does not check that the variables were made in the strategy's scope",
+             "dist_minimize/_stages.py",
+             "        check_variables_in_strategy([v for _, v in pairs])\n",
+             "",
+             ["tests/unit/test_strategy_limits.py::test_a_variable_created_outside_the_scope_is_named_with_the_fix"]),
 ]
 
 
