@@ -259,6 +259,7 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         Args:
           variables: the variables to build for (the first step's).
         """
+        _stages.check_variables_in_strategy(variables)
         strategy = tf.distribute.get_strategy()
 
         def build(*_):
