@@ -1,4 +1,5 @@
-"""The README's "Writing a wrapper" example, exactly as printed there, under
+"""The complete example of docs/writing-a-wrapper.md (once the README's "Writing a
+wrapper" example), exactly as printed there, under
 MirroredStrategy (2 of the 4 logical CPUs, in the test process): `fit` against a NumPy
 reference, a skipped step, evaluation with the averages swapped in, save and reload."""
 
@@ -19,7 +20,8 @@ from conftest import mirrored_strategy
 
 pytestmark = pytest.mark.distributed
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                   "writing-a-wrapper.md")
 DECAY = 0.5
 LR = 0.05
 STEPS = 4
@@ -27,10 +29,10 @@ GLOBAL_BATCH = 8
 
 
 def readme_example():
-    """Imports the first Python block of the README's "Writing a wrapper" section as a
-    module (from a file, so that AutoGraph can read its source)."""
-    text = open(README).read()
-    section = text[text.index("### Writing a wrapper"):]
+    """Imports the first Python block of docs/writing-a-wrapper.md's "A complete example"
+    section as a module (from a file, so that AutoGraph can read its source)."""
+    text = open(DOC).read()
+    section = text[text.index("## A complete example"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     where = tempfile.mkdtemp(prefix="dm-readme-")
     atexit.register(shutil.rmtree, where, True)  # kept while the tests run: AutoGraph reads it
