@@ -16,7 +16,9 @@ Public API:
 from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher, privacy
 from dist_minimize._compat import MissingDependencyError
 from dist_minimize.fit import integrate
-from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite
+from dist_minimize._finite import all_finite
+from dist_minimize.optimizer import Optimizer
+from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms import (
     ClipByGlobalNorm,
     ClipByNorm,

@@ -38,9 +38,11 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 
+from dist_minimize.staged import CLIP_SETTINGS  # each setting is named once, there
+from dist_minimize.transforms import ClipByGlobalNorm, ClipByNorm, ClipByValue
+
 logger = logging.getLogger("dist_minimize")
 
-CLIP_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm")
 WRAPPER_SETTINGS = ("use_ema", "gradient_accumulation_steps", "loss_scale_factor")
 
 # What each translated setting must hold (None always means "off"). Stricter than
@@ -95,9 +97,8 @@ def check_setting(setting: str, value: Any, optimizer_name: str) -> Any:
                       f"{optimizer_name}") from None
 
 
-def _clipper_classes():
-    from dist_minimize.transforms import ClipByGlobalNorm, ClipByNorm, ClipByValue
-
+def clipper_classes() -> dict:
+    """The dist_minimize clipper class of each Keras clipping setting."""
     return {"clipnorm": ClipByNorm, "clipvalue": ClipByValue, "global_clipnorm": ClipByGlobalNorm}
 
 
@@ -143,7 +144,7 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
 
     t = Translation()
     name = type(optimizer).__name__
-    clippers = _clipper_classes()
+    clippers = clipper_classes()
     for setting in CLIP_SETTINGS:
         value = getattr(optimizer, setting, None)
         if value is None:
@@ -256,15 +257,10 @@ def assign_clip(optimizer, setting: str, value: Any) -> None:
         with one); a value that is no number; a stack whose innermost optimizer is not
         a `dist_minimize.Optimizer`.
     """
-    from dist_minimize.optimizer import Optimizer
-
     name = type(optimizer).__name__
     value = check_setting(setting, value, name)
     core = optimizer.stack()[-1]
-    if not isinstance(core, Optimizer):
-        raise TypeError(f"`{setting}` can be set on a stack around a `dist_minimize.Optimizer` only. "
-                        f"Received: {setting}={value!r} on {name} around {type(core).__name__}")
-    classes = _clipper_classes()
+    classes = clipper_classes()
     cls = classes[setting]
     attribute = "clip_value" if setting == "clipvalue" else "clip_norm"
     found = [fn for fn in core._gradient_fns if isinstance(fn, cls)]
@@ -297,39 +293,3 @@ def assign_clip(optimizer, setting: str, value: Any) -> None:
     core._gradient_fns = core._gradient_fns + (_make(cls, value, setting, name),)
     logger.info("%s %r: %s=%r -> transform_gradients += dist_minimize.%s(%r) (after aggregation, last).",
                 name, optimizer.name, setting, value, _factory_name(setting), value)
-
-
-# -- reading the settings on a dist_minimize optimizer -----------------------------------
-
-
-def reading(optimizer, setting: str) -> Any:
-    """What `setting` means for a dist_minimize stack (the Keras attribute, read on it):
-    the clip of the stack's `transform_gradients`, the MovingAverage's decay, the
-    accumulation's steps, the fixed loss scale; Keras's default where there is none."""
-    from dist_minimize.optimizer import Optimizer
-    from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer, MovingAverage
-
-    stack = optimizer.stack()
-    if setting in CLIP_SETTINGS:
-        core = stack[-1]
-        if not isinstance(core, Optimizer) or not getattr(core, "_dm_constructed", False):
-            return None
-        cls = _clipper_classes()[setting]
-        found = [fn for fn in core._gradient_fns if isinstance(fn, cls)]
-        if not found:
-            return None
-        return found[-1].clip_value if setting == "clipvalue" else found[-1].clip_norm
-    if setting in ("use_ema", "ema_momentum", "ema_overwrite_frequency"):
-        average = optimizer.find(MovingAverage)
-        if setting == "use_ema":
-            return average is not None
-        if average is None:
-            return 0.99 if setting == "ema_momentum" else None
-        return average.average_decay if setting == "ema_momentum" else average.overwrite_frequency
-    if setting == "gradient_accumulation_steps":
-        accumulation = optimizer.find(GradientAccumulation)
-        return accumulation.steps if accumulation is not None else None
-    if setting == "loss_scale_factor":
-        scaling = optimizer.find(LossScaleOptimizer)
-        return scaling.initial_scale if scaling is not None and not scaling.dynamic else None
-    raise KeyError(setting)

@@ -30,7 +30,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.staged import StagedOptimizer
 
 logger = logging.getLogger("dist_minimize")
 

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from dist_minimize import _compat
 from dist_minimize._stages import variable_name
-from dist_minimize.optimizer import StagedOptimizer, _delegated_learning_rate
+from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -73,11 +73,16 @@ class OptimizerWrapper(StagedOptimizer):
     #: Whether a stack may hold at most one wrapper of this class (checked at construction).
     once_per_stack: bool = False
 
+    #: Wrappers that may not sit OUTSIDE this one, by class name (a subclass counts as its
+    #: base), each with the error that says why (`{outer}` names the refused wrapper).
+    refuses_outside: dict = {}
+
     def check_stack(self) -> None:
         """Raises if this wrapper cannot sit on `self.wrapped`'s stack.
 
         Called by the constructor. Default: with `once_per_stack`, refuses a stack that
-        already holds a wrapper of this class. Override to add rules (call `super()`).
+        already holds a wrapper of this class, and refuses to wrap a stack whose wrappers
+        name this class in their `refuses_outside`. Override to add rules (call `super()`).
 
         Raises:
           ValueError: an invalid stack, naming the wrapper.
@@ -85,6 +90,11 @@ class OptimizerWrapper(StagedOptimizer):
         if self.once_per_stack and self.wrapped.find(type(self)) is not None:
             raise ValueError(f"The wrapped optimizer already holds a {type(self).__name__}; one "
                              f"{type(self).__name__} per stack. Received: a nested {type(self).__name__}")
+        mine = {c.__name__ for c in type(self).__mro__}
+        for inner in self.wrapped.stack():
+            for name, why in type(inner).refuses_outside.items() if hasattr(type(inner), "refuses_outside") else ():
+                if name in mine:
+                    raise ValueError(why.format(outer=type(self).__name__))
 
     # -- stages: delegate ----------------------------------------------------------------
 

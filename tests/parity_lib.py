@@ -466,17 +466,22 @@ def reference_accumulation(k: int):
     return w
 
 
-def train_batches(model, opt, x, y, batches) -> None:
-    """Single-device tf.function steps of mean squared error on the given global batches."""
+def train_batches(model, opt, x, y, batches, step=None):
+    """Single-device tf.function steps of mean squared error on the given global batches.
+
+    Returns the traced step; pass it back as `step` to continue with the same function
+    (no new trace)."""
     import tensorflow as tf
 
-    @tf.function
-    def step(xb, yb):
-        opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
+    if step is None:
+        @tf.function
+        def step(xb, yb):
+            opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
 
     for i in batches:
         sl = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
         step(x[sl], y[sl])
+    return step
 
 
 def train_case(strategy, case: str, **kwargs):

@@ -61,6 +61,10 @@ class _Bound:
             self._bound_variable.assign(_stored(value))
         self._bound = value
 
+    def build(self, optimizer, variables):
+        """Creates the bound's variable (mirrored, not checkpointed: see `_Bound`)."""
+        self._build_bound()
+
     def _build_bound(self) -> None:
         if self._bound_variable is not None:
             return
@@ -262,10 +266,6 @@ class ClipByNorm(_Bound, GradientTransform):
     clip_norm = property(_Bound._get_bound, _Bound._set_bound,
                          doc="The maximum norm of each tensor (None: no clipping); settable between steps.")
 
-    def build(self, optimizer, variables):
-        """Creates the bound's variable (mirrored, not checkpointed: see `_Bound`)."""
-        self._build_bound()
-
     def __call__(self, grads_and_vars):
         def clip(values):
             norm = global_norm([values])
@@ -305,10 +305,6 @@ class ClipByValue(_Bound, GradientTransform):
 
     clip_value = property(_Bound._get_bound, _Bound._set_bound,
                           doc="The largest absolute element (None: no clipping); settable between steps.")
-
-    def build(self, optimizer, variables):
-        """Creates the bound's variable (mirrored, not checkpointed: see `_Bound`)."""
-        self._build_bound()
 
     def __call__(self, grads_and_vars):
         def clip(values):

@@ -6,10 +6,9 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
-from dist_minimize.wrappers.privacy import refuse_privacy_inside
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -68,10 +67,14 @@ class GradientAccumulation(OptimizerWrapper):
 
     once_per_stack = True
 
-    def check_stack(self):
-        """One per stack, and inside a DifferentialPrivacy if there is one."""
-        super().check_stack()
-        refuse_privacy_inside(self)
+    @property
+    def micro_steps_per_update(self) -> int:
+        """How many micro-steps one update averages (`steps`)."""
+        return self.steps
+
+    def keras_settings(self) -> dict:
+        """Keras's `gradient_accumulation_steps`, which this applies."""
+        return {"gradient_accumulation_steps": self.steps}
 
     def build_state(self, var_list):
         """Creates the micro-step counter and one replica-local accumulator per variable."""

@@ -6,10 +6,10 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize.optimizer import StagedOptimizer, all_finite
+from dist_minimize._finite import all_finite
+from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
 from dist_minimize.wrapper import OptimizerWrapper
-from dist_minimize.wrappers.privacy import refuse_privacy_inside
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -73,10 +73,9 @@ class LossScaleOptimizer(OptimizerWrapper):
 
     once_per_stack = True
 
-    def check_stack(self):
-        """One per stack, and inside a DifferentialPrivacy if there is one."""
-        super().check_stack()
-        refuse_privacy_inside(self)
+    def keras_settings(self) -> dict:
+        """Keras's `loss_scale_factor` (a fixed scale; None when the scale is dynamic)."""
+        return {"loss_scale_factor": None if self.dynamic else self.initial_scale}
 
     def build_state(self, var_list):
         """Creates `loss_scale` and `good_steps`."""

@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative_int, check_positive_int, check_unit_interval
 from dist_minimize.wrappers.averaging import AveragingWrapper
 
@@ -104,6 +104,11 @@ class MovingAverage(AveragingWrapper):
         # A plain holder: a variable here must not become optimizer state (TensorFlow's
         # and Keras's tracking would checkpoint it and list it in `variables`).
         self._num_updates = _Holder(num_updates)
+
+    def keras_settings(self) -> dict:
+        """Keras's `use_ema`, `ema_momentum` and `ema_overwrite_frequency`, which this applies."""
+        return {"use_ema": True, "ema_momentum": self.average_decay,
+                "ema_overwrite_frequency": self.overwrite_frequency}
 
     @property
     def num_updates(self):

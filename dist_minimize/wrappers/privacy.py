@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative, check_positive_finite, check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
 
@@ -91,6 +91,12 @@ class DifferentialPrivacy(OptimizerWrapper):
     """
 
     once_per_stack = True
+    refuses_outside = {name: (
+        "{outer} must sit inside DifferentialPrivacy, not around it: DifferentialPrivacy adds "
+        "its noise once per update and measures its clipping norm on unscaled gradients only "
+        "when it wraps the {outer}. Write DifferentialPrivacy(GradientAccumulation("
+        "LossScaleOptimizer(Optimizer(...))), ...). Received: {outer}(DifferentialPrivacy(...))")
+        for name in ("GradientAccumulation", "LossScaleOptimizer")}
 
     def __init__(self, optimizer: StagedOptimizer, l2_norm_clip: float, noise_multiplier: float,
                  num_microbatches: int | None = None, seed: int | None = None, name: str | None = None):
@@ -230,12 +236,10 @@ class DifferentialPrivacy(OptimizerWrapper):
         return super().transform_gradients(grads_and_vars)
 
     def _add_noise(self, grads_and_vars, count):
-        from dist_minimize.wrappers.accumulation import GradientAccumulation
-
         microbatches = tf.cast(count, tf.float32) * float(distribute.num_replicas())
-        accumulation = self.find(GradientAccumulation)
-        if accumulation is not None:
-            microbatches = microbatches * float(accumulation.steps)  # it averages its micro-steps
+        for opt in self.stack():  # an accumulation averages its micro-steps
+            if hasattr(type(opt), "micro_steps_per_update"):
+                microbatches = microbatches * float(opt.micro_steps_per_update)
         std = self.noise_multiplier * self.l2_norm_clip / microbatches
         # Read again rather than kept from `get_gradients`: under GradientAccumulation the
         # noise is added in a later call (another micro-step's graph); the scale only
@@ -269,9 +273,7 @@ class DifferentialPrivacy(OptimizerWrapper):
             self._step.microbatches = None
 
     def _loss_scale(self):
-        from dist_minimize.wrappers.loss_scale import LossScaleOptimizer
-
-        lso = self.find(LossScaleOptimizer)
+        lso = next((opt for opt in self.stack() if hasattr(type(opt), "loss_scale")), None)
         return tf.cast(tf.convert_to_tensor(lso.loss_scale), tf.float32) if lso is not None else None
 
     def get_config(self):
@@ -287,14 +289,3 @@ class _Step:
     TensorFlow's tracking ignores)."""
 
     microbatches = None
-
-
-def refuse_privacy_inside(outer: OptimizerWrapper) -> None:
-    """Raises if `outer` (a wrapper that must sit inside DifferentialPrivacy) wraps one."""
-    if outer.wrapped.find(DifferentialPrivacy) is not None:
-        name = type(outer).__name__
-        raise ValueError(
-            f"{name} must sit inside DifferentialPrivacy, not around it: DifferentialPrivacy adds "
-            "its noise once per update and measures its clipping norm on unscaled gradients only "
-            f"when it wraps the {name}. Write DifferentialPrivacy(GradientAccumulation("
-            f"LossScaleOptimizer(Optimizer(...))), ...). Received: {name}(DifferentialPrivacy(...))")

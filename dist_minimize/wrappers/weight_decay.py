@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from dist_minimize import distribute
 from dist_minimize._stages import variable_name
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative
 from dist_minimize.wrapper import OptimizerWrapper
 

@@ -35,7 +35,7 @@ import keras
 import pytest
 
 import dist_minimize as dm
-from dist_minimize.optimizer import StagedOptimizer
+from dist_minimize.staged import StagedOptimizer
 
 _PACKAGE = importlib.import_module("keras.src.optimizers")
 _KERAS_BASE = keras.optimizers.Optimizer

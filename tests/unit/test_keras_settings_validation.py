@@ -86,7 +86,7 @@ def test_none_is_off():
 # -- C: clipnorm, clipvalue, global_clipnorm set on a built optimizer, between steps ------
 
 from conftest import mirrored_strategy  # noqa: E402
-from parity_lib import GLOBAL_BATCH, make_data, make_model, max_abs_diff, weights  # noqa: E402
+from parity_lib import GLOBAL_BATCH, make_data, make_model, max_abs_diff, train_batches, weights  # noqa: E402
 
 CLIP_KINDS = [("clipnorm", "ClipByNorm", "clip_norm"), ("clipvalue", "ClipByValue", "clip_value"),
               ("global_clipnorm", "ClipByGlobalNorm", "clip_norm")]
@@ -97,38 +97,27 @@ def _sgd(setting, value):
     return dm.Optimizer(keras.optimizers.SGD(0.05, **({setting: value} if value is not None else {})))
 
 
-def _custom_loop(model, opt, x, y, batches, step=None):
-    if step is None:
-        @tf.function
-        def step(xb, yb):
-            opt.minimize(lambda: tf.reduce_mean(tf.square(model(xb) - yb)), model.trainable_variables)
-    for i in batches:
-        sl = slice(i * GLOBAL_BATCH, (i + 1) * GLOBAL_BATCH)
-        step(x[sl], y[sl])
-    return step
-
-
 @pytest.mark.parametrize("setting,_cls,_attr", CLIP_KINDS, ids=[k[0] for k in CLIP_KINDS])
 @pytest.mark.parametrize("new", [SECOND, None], ids=["to_2.0", "to_None"])
 def test_a_clip_set_between_steps_of_a_traced_loop_applies_from_the_next_step(setting, _cls, _attr, new):
     x, y = make_data(4)
     model = make_model(keras)
     opt = _sgd(setting, FIRST)
-    step = _custom_loop(model, opt, x, y, [0, 1])
+    step = train_batches(model, opt, x, y, [0, 1])
     traces = step.experimental_get_tracing_count()
     setattr(opt, setting, new)
     assert getattr(opt, setting) == new
-    _custom_loop(model, opt, x, y, [2, 3], step)
+    train_batches(model, opt, x, y, [2, 3], step)
     assert step.experimental_get_tracing_count() == traces  # the same trace saw the new bound
 
     # Reference: 2 steps with FIRST, then an optimizer built with `new` (SGD has no state).
     ref_model = make_model(keras)
-    _custom_loop(ref_model, _sgd(setting, FIRST), x, y, [0, 1])
-    _custom_loop(ref_model, _sgd(setting, new), x, y, [2, 3])
+    train_batches(ref_model, _sgd(setting, FIRST), x, y, [0, 1])
+    train_batches(ref_model, _sgd(setting, new), x, y, [2, 3])
     assert max_abs_diff(weights(model), weights(ref_model)) == 0.0
     # ... and the change mattered: FIRST kept on gives other weights.
     unchanged = make_model(keras)
-    _custom_loop(unchanged, _sgd(setting, FIRST), x, y, [0, 1, 2, 3])
+    train_batches(unchanged, _sgd(setting, FIRST), x, y, [0, 1, 2, 3])
     assert max_abs_diff(weights(model), weights(unchanged)) > 1e-3
 
 
@@ -203,7 +192,7 @@ def test_setting_a_clip_reaches_the_clipper_through_wrappers_and_before_build_ad
         opt.global_clipnorm = 1.0
     x, y = make_data(2)
     model = make_model(keras)
-    _custom_loop(model, opt, x, y, [0])
+    train_batches(model, opt, x, y, [0])
     with pytest.raises(TypeError, match=r"Setting `clipvalue` on a built optimizer whose `transform_gradients` holds "
                                         r"no ClipByValue would change nothing.*clip_by_value\(1.0\).*Received: "
                                         r"clipvalue=1.0 on a built MovingAverage"):

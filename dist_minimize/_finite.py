@@ -1,0 +1,32 @@
+"""`all_finite`: whether every element of a step's gradients is finite (the guard's test)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from dist_minimize import distribute
+
+
+def all_finite(grads) -> tf.Tensor:
+    """A scalar bool: whether every element of every gradient is finite.
+
+    Within a step, computed once per list of gradient tensors (and not at all where a
+    transform already knows: `dist_minimize.distribute.note_all_finite`).
+    """
+    grads = list(grads)
+    known = distribute.known_all_finite(grads)
+    if known is not None:
+        return known
+    result = _all_finite(grads)
+    distribute.note_all_finite(grads, result)
+    return result
+
+
+def _all_finite(grads) -> tf.Tensor:
+    checks = [
+        tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+        for g in grads if g is not None
+    ]
+    if not checks:
+        return tf.constant(True)
+    return tf.reduce_all(tf.stack(checks))
