@@ -139,7 +139,7 @@ def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation 
 
     Costs one small integer all-reduce. Returns the assertion op in graph mode (None
     eagerly, where it raises at once). The failure is `tf.errors.InvalidArgumentError`
-    naming `what`. (Under XLA, TensorFlow drops assertions; see the README.)
+    naming `what`. (Under XLA, TensorFlow drops assertions; see docs/pipeline.md.)
     """
     n = num_replicas()
     if n == 1:

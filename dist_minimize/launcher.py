@@ -6,7 +6,7 @@ Every launch prints the exact command(s) it runs, returns the first non-zero exi
 status of any worker (stopping the others), and can be bounded by a timeout. The CLI is
 `launch/launch.py`.
 
-Network exposure (the README's "Security"): a job whose hosts are all this machine
+Network exposure (docs/security.md): a job whose hosts are all this machine
 (the default) listens on loopback wherever the tool allows it: horovodrun's servers
 through `_compat_runner.py`, Open MPI without its TCP transport. What cannot be bound
 (TensorFlow's gRPC server, Open MPI's out-of-band listener) is named in one
@@ -222,7 +222,7 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
     if launcher == "mirrored":
         return [(program + ["--replicas", str(np)], env)]
     # multiworker: every worker runs on this host; other hosts start theirs with the same
-    # TF_CONFIG cluster (see the README's recipe).
+    # TF_CONFIG cluster (see docs/launching.md).
     if not is_local(slots):
         raise ValueError("The multiworker launcher starts workers on this host only; on a cluster, "
                          "start one worker per host with the TF_CONFIG recipe. Received: "
@@ -470,7 +470,7 @@ def _report_exposed(pids: Sequence[int], reported: set, why: str | None, out) ->
         where = " and ".join(f"{h}:{port}" for h in sorted(hosts))
         scope = "every interface" if set(hosts) <= {"0.0.0.0", "[::]"} else "beyond loopback"
         print(f"[launch] exposed: {comm} (pid {pid}) listens on {where} ({scope}), with no "
-              f"authentication{'; ' + why if why else ''}. See the README's \"Security\"",
+              f"authentication{'; ' + why if why else ''}. See docs/security.md",
               file=out, flush=True)
 
 

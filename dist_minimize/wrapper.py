@@ -18,7 +18,7 @@ class OptimizerWrapper(StagedOptimizer):
     """Wraps a dist_minimize optimizer and delegates every stage to it.
 
     Subclass it and override only what a feature needs (every hook is public; see
-    "Writing a wrapper" in the README):
+    docs/writing-a-wrapper.md):
 
     * the six stages: call `super()` to reach the wrapped optimizer's stage;
     * `build_state(var_list)`: create the wrapper's state with `self.add_variable` and

@@ -9,7 +9,7 @@ global norm, on one of:
 * mirrored:    `MirroredStrategy` over --replicas GPUs or logical CPU devices; `model.fit`;
 * multiworker: `MultiWorkerMirroredStrategy`, one process per worker with TF_CONFIG
                (`launch/launch.py --launcher multiworker`); a custom loop, because Keras
-               3's `fit` fails under this strategy (see the README).
+               3's `fit` fails under this strategy (see docs/pipeline.md).
 
 `--backend auto` (default) picks horovod under horovodrun/mpirun, multiworker when
 TF_CONFIG is set, mirrored otherwise. Prints Keras progress (rank 0) and, per epoch, the

@@ -2,8 +2,8 @@
 
 Each local launcher starts a short job (tests/distributed/security_worker.py: set-up and
 one collective, then a wait); the TCP sockets in LISTEN state of the whole process tree
-are listed from /proc. Every one must be on loopback, except the ports the README's
-"Security" documents as unbindable (TensorFlow's gRPC server, Open MPI's out-of-band
+are listed from /proc. Every one must be on loopback, except the ports
+docs/security.md documents as unbindable (TensorFlow's gRPC server, Open MPI's out-of-band
 listener), each of which the launcher must have named in an `[launch] exposed:` line.
 Afterwards nothing of the job is left in its private temporary directories."""
 

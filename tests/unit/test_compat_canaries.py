@@ -237,7 +237,7 @@ def test_horovodrun_servers_bind_through_find_port_and_the_runner_moves_them_to_
 
 
 def test_tensorflow_server_def_still_has_no_bind_address():
-    """The README's "Security" says TensorFlow's gRPC server cannot be bound to loopback:
+    """docs/security.md says TensorFlow's gRPC server cannot be bound to loopback:
     ServerDef (what TF_CONFIG becomes) has a port but no address to listen on. When a
     release adds one, this fails: bind local multiworker jobs to 127.0.0.1 with it."""
     fields = {f.name for f in tf.train.ServerDef.DESCRIPTOR.fields}
