@@ -11,7 +11,7 @@ what it could not run:
   2 logical GPUs; NCCL needs a distinct GPU per rank, so that case uses the strategy's
   HierarchicalCopyAllReduce and reports NCCL as not run.
 * per-device update: dist_minimize makes its guarded update device by device (one
-  unlowered If per device) on CPUs only (`dist_minimize.staged.PER_DEVICE_TYPES`): an
+  unlowered If per device) on CPUs only (`dist_minimize._per_device.PER_DEVICE_TYPES`): an
   If runs its branch on its own device without soft placement, and an op with no GPU
   kernel there would fail. Here it is forced on for this machine's devices, for Adam and
   for SWA(Lookahead(Adam)) (int64 schedules), and checked against one device (<= 1e-6)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
 
 def per_device_update(tf, keras, dm, P, kind: str, strategy, single, report: dict) -> None:
     """The per-device guarded update forced on for `kind` devices: parity and If count."""
-    from dist_minimize import staged as dm_optimizer
+    from dist_minimize import _per_device
 
     stacks = {
         "adam": lambda: dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(0.5)),
@@ -167,8 +167,8 @@ def per_device_update(tf, keras, dm, P, kind: str, strategy, single, report: dic
             dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(0.5)),
             sync_period=2), start_averaging=0, average_period=2),
     }
-    saved = dm_optimizer.PER_DEVICE_TYPES
-    dm_optimizer.PER_DEVICE_TYPES = tuple(sorted(set(saved) | {kind.upper()}))
+    saved = _per_device.PER_DEVICE_TYPES
+    _per_device.PER_DEVICE_TYPES = tuple(sorted(set(saved) | {kind.upper()}))
     try:
         for name, make in stacks.items():
             key = f"per_device/{name}"
@@ -196,7 +196,7 @@ def per_device_update(tf, keras, dm, P, kind: str, strategy, single, report: dic
                 print(f"[gpu-check] per-device update {name} on {kind.upper()}s: FAILED with "
                       f"{type(e).__name__}: {str(e)[:300]} (keep PER_DEVICE_TYPES = {saved})", flush=True)
     finally:
-        dm_optimizer.PER_DEVICE_TYPES = saved
+        _per_device.PER_DEVICE_TYPES = saved
 
 
 if __name__ == "__main__":

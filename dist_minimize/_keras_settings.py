@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import keras
 import numpy as np
 
-from dist_minimize.staged import CLIP_SETTINGS  # each setting is named once, there
+from dist_minimize._keras_surface import CLIP_SETTINGS  # each setting is named once, there
 from dist_minimize.transforms import ClipByGlobalNorm, ClipByNorm, ClipByValue
 
 logger = logging.getLogger("dist_minimize")

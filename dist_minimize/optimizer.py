@@ -16,7 +16,8 @@ import tensorflow as tf
 from dist_minimize import _compat, _keras_settings, _stages, aggregation
 from dist_minimize._finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once
-from dist_minimize.staged import _ON_DEVICE, StagedOptimizer, _delegated_learning_rate
+from dist_minimize._per_device import _ON_DEVICE
+from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
 def _check_inner(optimizer: Any) -> keras.optimizers.Optimizer:
     if isinstance(optimizer, (str, dict)):

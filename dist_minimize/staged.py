@@ -19,117 +19,20 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import threading
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _stages, distribute
+from dist_minimize import _compat, _per_device, _stages, distribute
 from dist_minimize._finite import all_finite
+from dist_minimize._keras_surface import KerasSurface
+from dist_minimize._slots import SlotStorage, _BuiltState
 from dist_minimize.aggregation import once
 
-# Keras optimizer settings that act per replica, before any aggregation: set on a
-# dist_minimize optimizer they would change nothing, so setting one is refused, naming
-# what to use instead. (On the wrapped Keras optimizer they are translated:
-# `_keras_settings`.) `clipnorm`, `clipvalue` and `global_clipnorm` may be set: they
-# reach the stack's clipper (`_keras_setting_property`).
-_PER_REPLICA_SETTINGS = {
-    "gradient_accumulation_steps": "dist_minimize.GradientAccumulation(optimizer, steps={}) around it, or "
-    "gradient_accumulation_steps={} on the Keras optimizer given to dist_minimize.Optimizer",
-    "use_ema": "dist_minimize.MovingAverage(optimizer, average_decay=..., start_step=1) around it, or "
-    "use_ema={} on the Keras optimizer given to dist_minimize.Optimizer",
-}
 
-# Keras's optimizer settings that dist_minimize applies after aggregation, with Keras's
-# value for "not applied". Read on a dist_minimize optimizer, each reports what the stack
-# applies: the first optimizer of the stack (outermost first) whose `keras_settings()`
-# names it answers.
-KERAS_SETTING_DEFAULTS = {
-    "clipnorm": None, "clipvalue": None, "global_clipnorm": None,
-    "use_ema": False, "ema_momentum": 0.99, "ema_overwrite_frequency": None,
-    "gradient_accumulation_steps": None, "loss_scale_factor": None,
-}
-CLIP_SETTINGS = ("clipnorm", "clipvalue", "global_clipnorm")
-
-
-def _keras_setting_property(setting: str) -> property:
-    def get(self):
-        if not getattr(self, "_dm_constructed", False) or getattr(self, "_dm_keras_build", False):
-            return KERAS_SETTING_DEFAULTS[setting] if setting == "use_ema" else None
-        for opt in self.stack():
-            values = opt.keras_settings()
-            if setting in values:
-                return values[setting]
-        return KERAS_SETTING_DEFAULTS[setting]
-
-    def set(self, value):
-        # Keras's base constructor assigns each one (its defaults): nothing to keep.
-        if not getattr(self, "_dm_constructed", False):
-            return
-        if setting in CLIP_SETTINGS:
-            # tf-keras allows `opt.clipnorm = 2.0` between steps: the stack's clipper takes
-            # the new bound from the next step (None: off); see `Optimizer.set_clip_bound`.
-            core = self.stack()[-1]
-            if not hasattr(core, "set_clip_bound"):
-                raise TypeError(f"`{setting}` can be set on a stack around a `dist_minimize.Optimizer` only. "
-                                f"Received: {setting}={value!r} on {type(self).__name__} around "
-                                f"{type(core).__name__}")
-            core.set_clip_bound(setting, value, holder=self)
-            return
-        if value != get(self):
-            raise TypeError(
-                f"`{setting}` on a dist_minimize optimizer reports the stack (what applies after "
-                f"aggregation: {setting}={get(self)!r}); it cannot be changed by assignment. Build the "
-                f"optimizer with the setting you want. Received: {setting}={value!r} on {type(self).__name__}")
-
-    writable = setting in CLIP_SETTINGS
-    return property(get, set, doc=f"Keras's `{setting}`, as the stack applies it "
-                                  f"({'settable between steps' if writable else 'read-only'}).")
-
-
-# The device types on which the guarded update may be made device by device. An
-# unlowered If runs its branch as a function on its own device, without soft placement:
-# an op of the update with no kernel for that device fails there, where the lowered cond
-# of `run_if` would have placed it on the host (int64 FloorMod, in SWA's and Lookahead's
-# schedules, has no GPU kernel). Only CPUs are checked here; `ci/gpu_check.py` runs the
-# per-device update on GPUs with "GPU" added, and reports whether it works there.
-PER_DEVICE_TYPES: tuple[str, ...] = ("CPU",)
-
-# What a class outside this package may define on an optimizer of a stack that is still
-# updated device by device: the stages that run before the update, and set-up. Any other
-# method (a step hook, or a helper one of this package's hooks calls, such as
-# MovingAverage.decay_at) may synchronise, which a per-device branch cannot hold.
-_PRE_UPDATE_METHODS = frozenset((
-    "__init__", "__repr__", "transform_loss", "get_gradients", "transform_unaggregated_gradients",
-    "aggregate_gradients", "transform_gradients", "update_condition", "build", "build_state",
-    "check_stack", "get_config", "from_config", "finalize_variable_values"))
-
-
-def _class_fits_per_device(cls: type, step_hooks: Sequence[str]) -> bool:
-    """Whether an optimizer of class `cls` may be updated device by device: each of its
-    `step_hooks` is defined by a class that declares `_dm_per_device_hooks`, and the
-    classes of its MRO before this package's own define only `_PRE_UPDATE_METHODS` (or
-    declare `_dm_per_device_hooks` themselves)."""
-    for hook in step_hooks:
-        owner = next(c for c in cls.__mro__ if hook in c.__dict__)
-        if not owner.__dict__.get("_dm_per_device_hooks", False):
-            return False
-    for c in cls.__mro__:
-        if c.__module__.split(".")[0] == "dist_minimize":
-            return True
-        if "_dm_per_device_hooks" in c.__dict__:
-            return bool(c.__dict__["_dm_per_device_hooks"])
-        for name, value in c.__dict__.items():
-            if name in _PRE_UPDATE_METHODS or (name.startswith("__") and name.endswith("__")
-                                                and name not in ("__getattr__", "__getattribute__")):
-                continue
-            if callable(value) or isinstance(value, (property, staticmethod, classmethod)):
-                return False
-    return True
-
-
-class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
+class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, keras.optimizers.Optimizer,
+                      metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
     Subclasses implement the stages (`Optimizer` with a Keras update rule and
@@ -398,11 +301,11 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
             _compat.check_variables_are_known(top.stack()[-1].inner_optimizer, variables)
 
             def apply_on(index, grads):
-                with _on_device(index):
+                with _per_device.on_device(index):
                     top._apply_and_notify(list(zip(grads, variables)))
 
             def skip_on(index):
-                with _on_device(index):
+                with _per_device.on_device(index):
                     top._notify_skipped()
 
             distribute.run_if_per_device(condition, apply_on, args=([g for g, _ in grads_and_vars],),
@@ -437,12 +340,12 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         yours may synchronise) keeps `run_if`.
         """
         stack = self.stack()
-        if not all(_class_fits_per_device(type(opt), self._STEP_HOOKS) for opt in stack):
+        if not all(_per_device.class_fits(type(opt), self._STEP_HOOKS) for opt in stack):
             return False
         rule = stack[-1].__dict__.get("inner_optimizer")  # the Keras update rule, if any
         if rule is None:
             return False
-        if not distribute.worker_device_types() <= set(PER_DEVICE_TYPES):
+        if not distribute.worker_device_types() <= set(_per_device.PER_DEVICE_TYPES):
             return False
         if not distribute.has_copy_per_device([v for _, v in grads_and_vars] + [self.iterations]):
             return False
@@ -507,16 +410,6 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
                 return opt
         return None
 
-    def keras_settings(self) -> dict:
-        """The Keras optimizer settings this optimizer itself applies, by name (e.g.
-        `{"gradient_accumulation_steps": 4}`), of `KERAS_SETTING_DEFAULTS`.
-
-        Read on any optimizer of a stack, `clipnorm`, `use_ema`, ... report the value of
-        the first optimizer (outermost first) that names the setting here, else Keras's
-        default. Default: none.
-        """
-        return {}
-
     # -- state -------------------------------------------------------------------------
 
     @_compat.no_automatic_dependency_tracking
@@ -556,95 +449,6 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
         """Builds whatever this optimizer wraps (subclasses)."""
         return None
 
-    @property
-    def trained_variables(self) -> list:
-        """The variables this optimizer was built for, in order (empty before `build`)."""
-        state = getattr(self, "_dm_state", None)
-        return list(state.trained) if state is not None else []
-
-    def add_slot(self, variable, name: str, initializer: Any = "zeros", replica_local: bool = False):
-        """Creates this optimizer's slot `name` for `variable` (in `build_state`) and returns it.
-
-        Args:
-          variable: a trainable variable of `build`'s `var_list`.
-          name: the slot's name (one per purpose: "average", "slow", ...).
-          initializer: a Keras initializer (or its name), or `"value"`: start from the
-            variable's current value.
-          replica_local: False (default): ONE replicated value, identical on every
-            replica (mirrored, written from the first replica, which holds the same
-            value as the others by contract): for state every replica computes alike
-            from aggregated values (averages, slow weights). True: each replica keeps
-            its own copy and updates it without communication (accumulators of
-            per-replica gradients); read outside the replica context, and so in
-            checkpoints and `.keras` files, it is the SUM of the copies, and a
-            restored value is split evenly among the replicas (TensorFlow's sync-on-read
-            SUM variable).
-
-        Returns:
-          The slot variable (also returned later by `slot(name, variable)`).
-
-        Raises:
-          ValueError: called before `build_state`, twice for the same slot, or for a
-            variable `build` did not receive.
-        """
-        state = getattr(self, "_dm_state", None)
-        if state is None:
-            raise ValueError(f"`add_slot` must be called from `build_state`. Received: name={name!r}")
-        key = _compat.variable_key(self, variable)
-        if key not in {_compat.variable_key(self, v) for v in self.trained_variables}:
-            raise ValueError(f"`add_slot`: {_stages.variable_name(variable)} is not a variable this optimizer "
-                             f"was built for. Received: name={name!r}")
-        table = state.slots.setdefault(name, {})
-        if key in table:
-            raise ValueError(f"Slot {name!r} already exists for {_stages.variable_name(variable)}.")
-        if replica_local:
-            if initializer != "zeros":
-                raise ValueError("A replica-local slot starts at zeros (each replica's share of a "
-                                 f"sum). Received: initializer={initializer!r}")
-            slot = _compat.add_replica_local_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}")
-        else:
-            slot = _compat.add_replicated_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}",
-                                                   initializer=initializer)
-        table[key] = slot
-        return slot
-
-    def slot(self, name: str, variable):
-        """This optimizer's slot `name` of `variable` (see `add_slot`).
-
-        Raises:
-          KeyError: no such slot (naming the slot and the variable).
-        """
-        try:
-            return self._dm_state.slots[name][_compat.variable_key(self, variable)]
-        except (KeyError, TypeError, AttributeError):
-            raise KeyError(f"{type(self).__name__} has no slot {name!r} for "
-                           f"{_stages.variable_name(variable)}") from None
-
-    def slots(self, name: str) -> list:
-        """Slot `name` of every variable this optimizer was built for, in order."""
-        return [self.slot(name, v) for v in self.trained_variables]
-
-    def save_own_variables(self, store):
-        """Saves this optimizer's own state (Keras saves each wrapped optimizer, and the
-        inner Keras optimizer, under its own path: every variable is written once)."""
-        for i, variable in enumerate(_compat.own_variables(self)):
-            store[str(i)] = variable.numpy()
-
-    def load_own_variables(self, store):
-        """Restores what `save_own_variables` wrote.
-
-        Raises:
-          ValueError: the file holds a different number of arrays for this optimizer.
-        """
-        own = _compat.own_variables(self)
-        if len(store.keys()) != len(own):
-            raise ValueError(
-                f"Cannot restore optimizer {self.name!r} ({type(self).__name__}): it has {len(own)} "
-                f"state variables and the file holds {len(store.keys())} (built for another model, "
-                "or saved with another optimizer stack).")
-        for i, variable in enumerate(own):
-            variable.assign(store[str(i)])
-
     # -- non-finite guard --------------------------------------------------------------
 
     @property
@@ -654,160 +458,8 @@ class StagedOptimizer(_compat.UntrackedBaseState, keras.optimizers.Optimizer, me
 
     run_if = staticmethod(distribute.run_if)
 
-    # -- Keras optimizer surface -------------------------------------------------------
-
-    def __setattr__(self, name, value):
-        # Keras's LossScaleOptimizer sets `inner_optimizer.loss_scale_factor = None` when
-        # it wraps an optimizer (model.compile does so under a mixed_float16 policy).
-        # It would decide skips from one replica's gradients: refuse at compile time.
-        if name == "loss_scale_factor" and getattr(self, "_dm_constructed", False):
-            raise TypeError(
-                "A dist_minimize optimizer must not be wrapped in Keras's LossScaleOptimizer "
-                "(it decides whether to skip a step from one replica's unaggregated "
-                "gradients). Under a mixed_float16 policy, compile with "
-                "`model.compile(..., auto_scale_loss=False)` and use "
-                "`dist_minimize.LossScaleOptimizer`. Received: an attempt to set "
-                f"loss_scale_factor={value!r} on {type(self).__name__}")
-        if name in _PER_REPLICA_SETTINGS and value and getattr(self, "_dm_constructed", False):
-            raise TypeError(
-                f"Setting `{name}` on a dist_minimize optimizer would change nothing (its Keras "
-                f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[name].format(value, value)}. "
-                f"Received: {name}={value!r} on {type(self).__name__}")
-        if (getattr(self, "_dm_constructed", False) and not name.startswith("_") and name not in self.__dict__
-                and not hasattr(type(self), name)):
-            rule = self._dm_update_rule()
-            if rule is not None and hasattr(rule, name):
-                # Read-through (`__getattr__`) would make it look set while the rule kept its own.
-                raise TypeError(
-                    f"`{name}` belongs to the wrapped Keras optimizer's update rule "
-                    f"({type(rule).__name__}); setting it here would change nothing. Set it there: "
-                    f"`optimizer.stack()[-1].inner_optimizer.{name} = ...`. Received: {name}={value!r} on "
-                    f"{type(self).__name__}")
-        super().__setattr__(name, value)
-
-    def _dm_update_rule(self):
-        """The Keras optimizer at the bottom of the stack (None while constructing), found
-        without attribute look-ups that could reach `__getattr__`."""
-        opt = self
-        while True:
-            state = opt.__dict__
-            if "inner_optimizer" in state:
-                return state["inner_optimizer"]
-            if "wrapped" not in state:
-                return None
-            opt = state["wrapped"]
-
-    def __getattr__(self, name):
-        # Only reached when normal look-up fails: public attributes of the wrapped Keras
-        # optimizer read through (`opt.beta_1`, Muon's `lr_adjust`), as on the Keras
-        # optimizer the user had. Private names never do.
-        if not name.startswith("_"):
-            rule = self._dm_update_rule()
-            if rule is not None:
-                try:
-                    return getattr(rule, name)
-                except AttributeError:
-                    pass
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    # Keras's settings, read on a dist_minimize optimizer: what the stack applies.
-    clipnorm = _keras_setting_property("clipnorm")
-    clipvalue = _keras_setting_property("clipvalue")
-    global_clipnorm = _keras_setting_property("global_clipnorm")
-    use_ema = _keras_setting_property("use_ema")
-    ema_momentum = _keras_setting_property("ema_momentum")
-    ema_overwrite_frequency = _keras_setting_property("ema_overwrite_frequency")
-    gradient_accumulation_steps = _keras_setting_property("gradient_accumulation_steps")
-    loss_scale_factor = _keras_setting_property("loss_scale_factor")
-
-    @property
-    def weight_decay(self):
-        """The wrapped Keras optimizer's `weight_decay` (reading and setting reach it)."""
-        if not getattr(self, "_dm_constructed", False):
-            return None
-        return self._decaying_optimizer().weight_decay
-
-    @weight_decay.setter
-    def weight_decay(self, value):
-        if not getattr(self, "_dm_constructed", False):
-            return  # Keras's base constructor sets None; the update rule's own setting counts
-        self._decaying_optimizer().weight_decay = value
-
-    def update_step(self, gradient, variable, learning_rate):
-        """The wrapped Keras optimizer's `update_step`: its update rule on one variable.
-
-        As in Keras, only the rule: no stage, clip, average or counter runs (Keras's
-        `apply` does that around it, dist_minimize's `apply_gradients`). Build first.
-        """
-        rule = self._dm_update_rule()
-        rule.update_step(gradient, variable, learning_rate)
-
-    def set_weights(self, weights):
-        """Assigns `weights` to `variables` (the whole stack's, in that order).
-
-        Raises:
-          ValueError: not built, or a shape differs (naming the variable).
-        """
-        if not self.built:
-            raise ValueError(
-                "You are calling `set_weights()` on an optimizer that has not yet been built. Call "
-                "`optimizer.build(trainable_variables)` first.")
-        for variable, weight in zip(self.variables, weights):
-            if tuple(variable.shape) != tuple(getattr(weight, "shape", ())):
-                raise ValueError(f"Optimizer variable {variable.path} has shape {tuple(variable.shape)}, not "
-                                 f"compatible with the weight's {tuple(getattr(weight, 'shape', ()))}.")
-            variable.assign(weight)
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Exempts variables from the wrapped Keras optimizer's `weight_decay`.
-
-        Keras's public way to do it, forwarded to the optimizer that applies the decay
-        (on this object itself it would change nothing).
-        """
-        self._decaying_optimizer().exclude_from_weight_decay(var_list=var_list, var_names=var_names)
-
-    def _decaying_optimizer(self):
-        """The Keras optimizer whose update rule applies `weight_decay`."""
-        return self._dm_update_rule()
-
-    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
-        """Not supported: dist_minimize optimizers are stateful (TensorFlow backend)."""
-        raise ValueError("dist_minimize optimizers are stateful (TensorFlow backend only).")
-
-
-class _BuiltState:
-    """What `build` records: the trained variables and the slots (a plain object, so that
-    TensorFlow's tracking neither wraps nor checkpoints these containers; the slot
-    variables themselves are tracked by `add_variable`)."""
-
-    def __init__(self, trained: list):
-        self.trained = tuple(trained)
-        self.slots: dict = {}
-
 
 def _delegated_learning_rate():
     """The learning rate given to Keras's base constructor (a callable, so that it creates
     no variable): every dist_minimize optimizer reports its inner optimizer's."""
     raise RuntimeError("A dist_minimize optimizer's learning rate is its inner optimizer's.")
-
-
-def _slot_prefix(variable) -> str:
-    return _stages.variable_name(variable).replace("/", "_").replace(":", "_")
-
-
-
-class _OnDevice(threading.local):
-    index: int | None = None
-
-
-# The device whose copies the update being traced writes (per-device update), or None.
-_ON_DEVICE = _OnDevice()
-
-
-@contextlib.contextmanager
-def _on_device(index: int):
-    previous, _ON_DEVICE.index = _ON_DEVICE.index, index
-    try:
-        yield
-    finally:
-        _ON_DEVICE.index = previous

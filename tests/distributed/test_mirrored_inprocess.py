@@ -169,9 +169,9 @@ def test_devices_of_other_types_keep_one_cond(monkeypatch):
     """The per-device update is used on the device types in PER_DEVICE_TYPES only (CPUs:
     on a GPU an unlowered If could not fall back to the host for an op without a GPU
     kernel). Checked here by taking CPU out of the list."""
-    from dist_minimize import staged as dm_optimizer
+    from dist_minimize import _per_device
 
-    monkeypatch.setattr(dm_optimizer, "PER_DEVICE_TYPES", ("GPU",))
+    monkeypatch.setattr(_per_device, "PER_DEVICE_TYPES", ("GPU",))
     s = strategy()
     with s.scope():
         v = keras.Variable([1.0, 2.0], name="w")
@@ -577,15 +577,15 @@ def test_mixed_dtype_variables_are_aggregated_and_match_single_device():
 def test_a_package_class_must_declare_its_hooks_fit_per_device():
     """A class of this package with a step hook takes the per-device update only when it
     declares `_dm_per_device_hooks` (a future hook that synchronises would not)."""
-    from dist_minimize import staged as dm_optimizer
+    from dist_minimize import _per_device
 
     class Undeclared(dm.OptimizerWrapper):
         def on_applied(self, grads_and_vars):
             return None
 
     Undeclared.__module__ = "dist_minimize.wrappers.undeclared"
-    hooks = dm_optimizer.StagedOptimizer._STEP_HOOKS
-    assert not dm_optimizer._class_fits_per_device(Undeclared, hooks)
+    hooks = dm.StagedOptimizer._STEP_HOOKS
+    assert not _per_device.class_fits(Undeclared, hooks)
     Undeclared._dm_per_device_hooks = True
-    assert dm_optimizer._class_fits_per_device(Undeclared, hooks)
-    assert dm_optimizer._class_fits_per_device(dm.MovingAverage, hooks)
+    assert _per_device.class_fits(Undeclared, hooks)
+    assert _per_device.class_fits(dm.MovingAverage, hooks)

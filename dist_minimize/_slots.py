@@ -1,0 +1,116 @@
+"""Slot storage of a dist_minimize optimizer: one variable per trained variable and
+purpose (`add_slot`, `slot`, `slots`), and saving and restoring an optimizer's own
+state. A mixin of `StagedOptimizer`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dist_minimize import _compat, _stages
+
+
+class SlotStorage:
+    """`add_slot`/`slot`/`slots` and the optimizer's own saved state (see the module docstring)."""
+
+    @property
+    def trained_variables(self) -> list:
+        """The variables this optimizer was built for, in order (empty before `build`)."""
+        state = getattr(self, "_dm_state", None)
+        return list(state.trained) if state is not None else []
+
+    def add_slot(self, variable, name: str, initializer: Any = "zeros", replica_local: bool = False):
+        """Creates this optimizer's slot `name` for `variable` (in `build_state`) and returns it.
+
+        Args:
+          variable: a trainable variable of `build`'s `var_list`.
+          name: the slot's name (one per purpose: "average", "slow", ...).
+          initializer: a Keras initializer (or its name), or `"value"`: start from the
+            variable's current value.
+          replica_local: False (default): ONE replicated value, identical on every
+            replica (mirrored, written from the first replica, which holds the same
+            value as the others by contract): for state every replica computes alike
+            from aggregated values (averages, slow weights). True: each replica keeps
+            its own copy and updates it without communication (accumulators of
+            per-replica gradients); read outside the replica context, and so in
+            checkpoints and `.keras` files, it is the SUM of the copies, and a
+            restored value is split evenly among the replicas (TensorFlow's sync-on-read
+            SUM variable).
+
+        Returns:
+          The slot variable (also returned later by `slot(name, variable)`).
+
+        Raises:
+          ValueError: called before `build_state`, twice for the same slot, or for a
+            variable `build` did not receive.
+        """
+        state = getattr(self, "_dm_state", None)
+        if state is None:
+            raise ValueError(f"`add_slot` must be called from `build_state`. Received: name={name!r}")
+        key = _compat.variable_key(self, variable)
+        if key not in {_compat.variable_key(self, v) for v in self.trained_variables}:
+            raise ValueError(f"`add_slot`: {_stages.variable_name(variable)} is not a variable this optimizer "
+                             f"was built for. Received: name={name!r}")
+        table = state.slots.setdefault(name, {})
+        if key in table:
+            raise ValueError(f"Slot {name!r} already exists for {_stages.variable_name(variable)}.")
+        if replica_local:
+            if initializer != "zeros":
+                raise ValueError("A replica-local slot starts at zeros (each replica's share of a "
+                                 f"sum). Received: initializer={initializer!r}")
+            slot = _compat.add_replica_local_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}")
+        else:
+            slot = _compat.add_replicated_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}",
+                                                   initializer=initializer)
+        table[key] = slot
+        return slot
+
+    def slot(self, name: str, variable):
+        """This optimizer's slot `name` of `variable` (see `add_slot`).
+
+        Raises:
+          KeyError: no such slot (naming the slot and the variable).
+        """
+        try:
+            return self._dm_state.slots[name][_compat.variable_key(self, variable)]
+        except (KeyError, TypeError, AttributeError):
+            raise KeyError(f"{type(self).__name__} has no slot {name!r} for "
+                           f"{_stages.variable_name(variable)}") from None
+
+    def slots(self, name: str) -> list:
+        """Slot `name` of every variable this optimizer was built for, in order."""
+        return [self.slot(name, v) for v in self.trained_variables]
+
+    def save_own_variables(self, store):
+        """Saves this optimizer's own state (Keras saves each wrapped optimizer, and the
+        inner Keras optimizer, under its own path: every variable is written once)."""
+        for i, variable in enumerate(_compat.own_variables(self)):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        """Restores what `save_own_variables` wrote.
+
+        Raises:
+          ValueError: the file holds a different number of arrays for this optimizer.
+        """
+        own = _compat.own_variables(self)
+        if len(store.keys()) != len(own):
+            raise ValueError(
+                f"Cannot restore optimizer {self.name!r} ({type(self).__name__}): it has {len(own)} "
+                f"state variables and the file holds {len(store.keys())} (built for another model, "
+                "or saved with another optimizer stack).")
+        for i, variable in enumerate(own):
+            variable.assign(store[str(i)])
+
+
+class _BuiltState:
+    """What `build` records: the trained variables and the slots (a plain object, so that
+    TensorFlow's tracking neither wraps nor checkpoints these containers; the slot
+    variables themselves are tracked by `add_variable`)."""
+
+    def __init__(self, trained: list):
+        self.trained = tuple(trained)
+        self.slots: dict = {}
+
+
+def _slot_prefix(variable) -> str:
+    return _stages.variable_name(variable).replace("/", "_").replace(":", "_")
