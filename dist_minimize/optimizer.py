@@ -104,7 +104,6 @@ class Optimizer(StagedOptimizer):
       ...         transform_gradients=dist_minimize.clip_by_global_norm(1.0)))
     """
 
-    _dm_per_device_hooks = True
 
     def __new__(cls, *args, **kwargs):
         # A Keras setting that becomes a wrapper (use_ema, gradient_accumulation_steps,

@@ -314,11 +314,6 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
                               otherwise=top._notify_skipped, updates=pending)
 
-    # The step hooks run inside the update's branch, and which classes of this package
-    # define them so that they may run device by device (`_per_device_ok`).
-    _STEP_HOOKS = ("apply_updates", "on_applied", "on_skipped", "_apply_and_notify", "_notify_skipped")
-    _dm_per_device_hooks = True
-
     def _per_device_ok(self, grads_and_vars: list) -> bool:
         """Whether this stack's update can be made device by device under a merge-call
         strategy (`distribute.run_if_per_device`), instead of by `run_if`.
@@ -328,21 +323,15 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         device (about 800 at 100 variables on 2 devices: a 1.13x step). One unlowered
         cond per device holds the same update and costs one kernel each.
 
-        Yes when every step hook of every optimizer in the stack is one of this
-        package's (they read and write variables only, which inside tf.distribute's
-        update context of a device reach that device's copies; their `run_if` and
-        `flush_updates` then act on that device alone), no class outside this package
-        overrides what those hooks call (only the stages before the update,
-        `_PRE_UPDATE_METHODS`), the devices are of a type in `PER_DEVICE_TYPES` (CPUs),
-        every variable has one copy per device (not so under CentralStorageStrategy),
-        and the Keras update rule at the bottom keeps Keras's own `apply` path
-        (`_compat.keras_apply_on_device_blocker`). Anything else (a hook or helper of
-        yours may synchronise) keeps `run_if`.
+        The step hooks (`apply_updates`, `on_applied`, `on_skipped`) may run device by
+        device because their contract allows only reading and writing variables (no
+        collective: `_apply_and_notify` checks it, for every class alike). Yes when the
+        devices are of a type in `PER_DEVICE_TYPES` (CPUs), every variable has one copy
+        per device (not so under CentralStorageStrategy), and the Keras update rule at
+        the bottom keeps Keras's own `apply` path (`_compat.keras_apply_on_device_blocker`:
+        Nadam, Muon, MultiOptimizer, constraints, ... keep `run_if`).
         """
-        stack = self.stack()
-        if not all(_per_device.class_fits(type(opt), self._STEP_HOOKS) for opt in stack):
-            return False
-        rule = stack[-1].__dict__.get("inner_optimizer")  # the Keras update rule, if any
+        rule = self.stack()[-1].__dict__.get("inner_optimizer")  # the Keras update rule, if any
         if rule is None:
             return False
         if not distribute.worker_device_types() <= set(_per_device.PER_DEVICE_TYPES):
@@ -387,13 +376,17 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         return None
 
     def _apply_and_notify(self, grads_and_vars: list) -> None:
-        self.apply_updates(grads_and_vars)
+        # Every hook under the update contract: a collective inside raises, naming it.
+        with once.step_hook(self, "apply_updates"):
+            self.apply_updates(grads_and_vars)
         for opt in reversed(self.stack()):
-            opt.on_applied(grads_and_vars)
+            with once.step_hook(opt, "on_applied"):
+                opt.on_applied(grads_and_vars)
 
     def _notify_skipped(self) -> None:
         for opt in reversed(self.stack()):
-            opt.on_skipped()
+            with once.step_hook(opt, "on_skipped"):
+                opt.on_skipped()
 
     def stack(self) -> list:
         """This optimizer and every optimizer it wraps, outermost first (the last is the

@@ -56,7 +56,6 @@ class OptimizerWrapper(StagedOptimizer):
 
     # Its step hooks only read and write variables: they may run device by device
     # (`StagedOptimizer._per_device_ok`).
-    _dm_per_device_hooks = True
 
     def __init__(self, optimizer: StagedOptimizer, name: str | None = None):
         if not isinstance(optimizer, StagedOptimizer):

@@ -15,6 +15,10 @@ update rule that calls a collective itself) is caught the first time the step is
 * `update_rule(name)`: no collective may run inside the update rule. A
   `tf.distribute` replica-context all-reduce raises at once; a Horovod collective op
   made in the traced graph raises when the update rule returns.
+* `step_hook(optimizer, name)`: the same for every step hook (`apply_updates`,
+  `on_applied`, `on_skipped`), whatever its class: the update contract that lets every
+  stack be updated device by device (`dist_minimize.distribute.sum_across` called in a
+  hook raises too).
 * `planned(n, what)`: an aggregation backend that declares its plan
   (`Aggregator.planned_collectives`) makes exactly that many collectives.
 * `step()` / `note_aggregation(what)`: `aggregate_gradients` runs once per step.
@@ -31,28 +35,14 @@ import collections.abc
 import contextlib
 import os
 import sys
-import threading
 import types
 from typing import Iterator
 
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
-
-# Horovod's collective ops (op types in a traced graph).
-HOROVOD_COLLECTIVES = frozenset((
-    "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather", "HorovodGroupedAllgather",
-    "HorovodBroadcast", "HorovodReducescatter", "HorovodGroupedReducescatter", "HorovodAlltoall"))
-
-
-class AggregationError(RuntimeError):
-    """A step would aggregate gradients more (or otherwise) than planned."""
-
-    # Exception's own constructor: AutoGraph then re-raises this class from a traced
-    # step (with its message), instead of a generic StagingError.
-    __init__ = Exception.__init__
-
+from dist_minimize import _compat, _zones
+from dist_minimize._zones import AggregationError  # noqa: F401  (re-exported)
 
 # -- construction ---------------------------------------------------------------------
 
@@ -102,24 +92,13 @@ def neutralise(root: keras.optimizers.Optimizer) -> list:
 # -- the check ------------------------------------------------------------------------
 
 
-class _Zone:
-    def __init__(self, what: str, plan: int | None, forbid: bool):
-        self.what, self.plan, self.forbid = what, plan, forbid
-        self.events: list[str] = []
-
-
-class _State(threading.local):
-    def __init__(self):
-        self.zones: list[_Zone] = []
-        self.aggregations: list[str] | None = None
-
-
-_STATE = _State()
-_FIX = ("dist_minimize aggregates the gradients once, in `aggregate_gradients`, and switches off "
-        "the all-reduce of every Keras optimizer reachable from the one it wraps (attributes, lists, "
-        "dicts) when it is built. Hold each sub-optimizer in an attribute or container of the routing "
-        "optimizer, created before `build`, and make no collective inside its update (use "
-        "`dist_minimize.distribute.sum_across` in a stage, outside the update rule)")
+_RULE_FIX = (
+    "The gradients were already aggregated by `aggregate_gradients`; this would aggregate them again (or make "
+    "one replica wait for the others inside the update). dist_minimize aggregates the gradients once, in "
+    "`aggregate_gradients`, and switches off the all-reduce of every Keras optimizer reachable from the one it "
+    "wraps (attributes, lists, dicts) when it is built. Hold each sub-optimizer in an attribute or container of "
+    "the routing optimizer, created before `build`, and make no collective inside its update (use "
+    "`dist_minimize.distribute.sum_across` in a stage, outside the update rule)")
 
 
 def _caller() -> str:
@@ -140,52 +119,37 @@ def _caller() -> str:
     return outside or "an unknown caller"
 
 
-def _record(event: str) -> None:
-    if not _STATE.zones:
-        return
-    zone = _STATE.zones[-1]
-    zone.events.append(event)
-    if zone.forbid:
-        raise AggregationError(
-            f"{zone.what} made a collective: {event}. The gradients were already aggregated by "
-            f"`aggregate_gradients`; this would aggregate them again (or make one replica wait for "
-            f"the others inside the update). {_FIX}.")
-
-
 def _on_all_reduce(context, value) -> None:
-    if not _STATE.zones or getattr(context, "num_replicas_in_sync", 1) == 1:
+    if not _zones.active() or getattr(context, "num_replicas_in_sync", 1) == 1:
         return
     n = len(tf.nest.flatten(value))
-    _record(f"a tf.distribute all-reduce of {n} tensor{'s' if n != 1 else ''} by {_caller()}")
+    _zones.record(f"a tf.distribute all-reduce of {n} tensor{'s' if n != 1 else ''} by {_caller()}")
 
 
 _compat.listen_to_all_reduce(_on_all_reduce)
 
 
 @contextlib.contextmanager
-def _zone(what: str, plan: int | None, forbid: bool) -> Iterator[_Zone]:
-    zone = _Zone(what, plan, forbid)
-    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-    first = len(graph.get_operations()) if graph is not None else 0
-    _STATE.zones.append(zone)
-    try:
-        yield zone
-    finally:
-        _STATE.zones.pop()
-    if graph is not None and graph is tf.compat.v1.get_default_graph():
-        for op in graph.get_operations()[first:]:
-            if op.type in HOROVOD_COLLECTIVES:
-                _STATE.zones.append(zone)
-                try:
-                    _record(f"a Horovod {op.type} ({op.name})")
-                finally:
-                    _STATE.zones.pop()
+def update_rule(what: str) -> Iterator[None]:
+    """No collective may run inside: raises `AggregationError` naming the one that does."""
+    with _zones.zone(what, None, forbid=True, fix=_RULE_FIX):
+        yield
+
+
+_HOOK_FIX = (
+    "A step hook runs inside the update, device by device under MirroredStrategy and "
+    "MultiWorkerMirroredStrategy: it may read and write variables, and use "
+    "`dist_minimize.distribute.run_if` and `flush_updates`, but make no collective and wait for no "
+    "other replica. Reduce values across replicas in a stage before the update "
+    "(`transform_gradients`, or `update_condition` for a decision) with "
+    "`dist_minimize.distribute.sum_across`, and keep the result in a variable the hook reads")
 
 
 @contextlib.contextmanager
-def update_rule(what: str) -> Iterator[None]:
-    """No collective may run inside: raises `AggregationError` naming the one that does."""
-    with _zone(what, None, forbid=True):
+def step_hook(optimizer, name: str) -> Iterator[None]:
+    """The step hook `name` of `optimizer` runs inside: no collective may (the update
+    contract, docs/writing-a-wrapper.md); raises `AggregationError` naming the hook."""
+    with _zones.zone(f"The step hook `{type(optimizer).__name__}.{name}`", None, forbid=True, fix=_HOOK_FIX):
         yield
 
 
@@ -196,7 +160,7 @@ def planned(plan: int | None, what: str) -> Iterator[None]:
     Raises:
       AggregationError: another number, listing the collectives made.
     """
-    with _zone(what, plan, forbid=False) as zone:
+    with _zones.zone(what, plan, forbid=False) as zone:
         yield
     if plan is not None and len(zone.events) != plan:
         made = "; ".join(zone.events) or "none"
@@ -208,11 +172,11 @@ def planned(plan: int | None, what: str) -> Iterator[None]:
 @contextlib.contextmanager
 def step() -> Iterator[None]:
     """One step's stages: `aggregate_gradients` may run once inside (`note_aggregation`)."""
-    previous, _STATE.aggregations = _STATE.aggregations, []
+    previous, _zones.STATE.aggregations = _zones.STATE.aggregations, []
     try:
         yield
     finally:
-        _STATE.aggregations = previous
+        _zones.STATE.aggregations = previous
 
 
 def note_aggregation(what: str) -> None:
@@ -221,12 +185,12 @@ def note_aggregation(what: str) -> None:
     Raises:
       AggregationError: the step's gradients were aggregated already.
     """
-    if _STATE.aggregations is None:
+    if _zones.STATE.aggregations is None:
         return
-    _STATE.aggregations.append(what)
-    if len(_STATE.aggregations) > 1:
+    _zones.STATE.aggregations.append(what)
+    if len(_zones.STATE.aggregations) > 1:
         raise AggregationError(
-            f"`aggregate_gradients` ran {len(_STATE.aggregations)} times in one step "
-            f"({', '.join(_STATE.aggregations)}): the gradients would be aggregated twice. A stage "
+            f"`aggregate_gradients` ran {len(_zones.STATE.aggregations)} times in one step "
+            f"({', '.join(_zones.STATE.aggregations)}): the gradients would be aggregated twice. A stage "
             "must not call `aggregate_gradients` again; reduce other values with "
             "`dist_minimize.distribute.sum_across`.")

@@ -33,7 +33,6 @@ class Lookahead(OptimizerWrapper):
 
     # Its step hooks only read and write variables: they may run device by device
     # (`StagedOptimizer._per_device_ok`).
-    _dm_per_device_hooks = True
 
     once_per_stack = True
 

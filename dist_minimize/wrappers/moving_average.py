@@ -82,7 +82,6 @@ class MovingAverage(AveragingWrapper):
 
     # Its step hooks only read and write variables: they may run device by device
     # (`StagedOptimizer._per_device_ok`).
-    _dm_per_device_hooks = True
 
     def __init__(self, optimizer: StagedOptimizer, average_decay: float = 0.99, dynamic_decay: bool = False,
                  start_step: int = 0, overwrite_frequency: int | None = None, assign_on_finalize: bool = False,

@@ -38,7 +38,6 @@ class SWA(AveragingWrapper):
 
     # Its step hooks only read and write variables: they may run device by device
     # (`StagedOptimizer._per_device_ok`).
-    _dm_per_device_hooks = True
 
     def __init__(self, optimizer: StagedOptimizer, start_averaging: int = 0, average_period: int = 10,
                  name: str | None = None):

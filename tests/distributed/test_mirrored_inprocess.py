@@ -81,7 +81,8 @@ def guarded_step_conds(opt, v):
 
 
 class CountingWrapper(dm.OptimizerWrapper):
-    """A user's wrapper with its own step hook (which could synchronise)."""
+    """A user's wrapper with its own step hook (reading and writing variables, as the
+    update contract allows)."""
 
     def build_state(self, var_list):
         self.count = self.add_variable(shape=(), dtype="int64", initializer="zeros",
@@ -92,8 +93,8 @@ class CountingWrapper(dm.OptimizerWrapper):
 
 
 class SlowerAverage(dm.MovingAverage):
-    """A user's MovingAverage whose helper (called by the package's own hook) could
-    synchronise: here it only changes the decay."""
+    """A user's MovingAverage whose helper (called by the package's own hook) changes the
+    decay."""
 
     def decay_at(self, t):
         return tf.constant(0.75)
@@ -113,14 +114,15 @@ PER_DEVICE = [(False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:0"),
 @pytest.mark.parametrize("case", ["plain", "adam", "moving_average", "swa+decay", "stage_override", "lr_outside_scope",
                                   "user_hook", "helper_override", "constraint", "nadam"])
 def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
-    """The guarded update of a stack of this package's optimizers is one `If` per device,
-    on that device, which TensorFlow keeps whole (one kernel, not a Switch and an
-    Identity per input: issue 11). Where it cannot be made device by device (a user's
-    step hook, or a user's override of what the package's hooks call, a constraint, a
-    Keras optimizer that changes `apply`), it is the one lowered cond of `run_if`. A
-    device whose update reads a variable of another device (made outside the scope)
-    keeps its cond lowered, which TensorFlow can place. Either way the update is right
-    and a non-finite step is skipped on every device."""
+    """The guarded update is one `If` per device, on that device, which TensorFlow keeps
+    whole (one kernel, not a Switch and an Identity per input: issue 11), for the
+    package's wrappers and a user's alike (issue 23: a user's step hook, or a user's
+    override of what the package's hooks call, takes the same path). Where the Keras
+    rule cannot be applied device by device (a constraint, a Keras optimizer that
+    changes `apply`), it is the one lowered cond of `run_if`. A device whose update reads
+    a variable of another device (made outside the scope) keeps its cond lowered, which
+    TensorFlow can place. Either way the update is right and a non-finite step is
+    skipped on every device."""
     lr_var = tf.Variable(0.1, trainable=False)  # outside the scope: one copy, on CPU:0
     s = strategy()
     with s.scope():
@@ -142,7 +144,7 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
             opt = CountingWrapper(opt)
         opt.build([v])
     conds = guarded_step_conds(opt, v)
-    if case in ("plain", "adam", "moving_average", "swa+decay", "stage_override"):
+    if case in ("plain", "adam", "moving_average", "swa+decay", "stage_override", "user_hook", "helper_override"):
         assert sorted(conds) == PER_DEVICE, conds
     elif case == "lr_outside_scope":
         assert sorted(conds) == [PER_DEVICE[0], (True, PER_DEVICE[1][1])], conds
@@ -574,18 +576,21 @@ def test_mixed_dtype_variables_are_aggregated_and_match_single_device():
 
 
 
-def test_a_package_class_must_declare_its_hooks_fit_per_device():
-    """A class of this package with a step hook takes the per-device update only when it
-    declares `_dm_per_device_hooks` (a future hook that synchronises would not)."""
-    from dist_minimize import _per_device
-
-    class Undeclared(dm.OptimizerWrapper):
+def test_the_per_device_choice_does_not_look_at_classes():
+    """Issue 23: no class inspection, no private flag: a user's wrapper with its own hooks,
+    in a module of its own, is updated device by device like the package's."""
+    class Elsewhere(dm.OptimizerWrapper):
         def on_applied(self, grads_and_vars):
             return None
 
-    Undeclared.__module__ = "dist_minimize.wrappers.undeclared"
-    hooks = dm.StagedOptimizer._STEP_HOOKS
-    assert not _per_device.class_fits(Undeclared, hooks)
-    Undeclared._dm_per_device_hooks = True
-    assert _per_device.class_fits(Undeclared, hooks)
-    assert _per_device.class_fits(dm.MovingAverage, hooks)
+        def on_skipped(self):
+            return None
+
+    Elsewhere.__module__ = "someone_elses_package.wrappers"
+    s = strategy()
+    with s.scope():
+        v = keras.Variable([1.0, 2.0], name="w")
+        opt = Elsewhere(dm.MovingAverage(dm.Optimizer(keras.optimizers.SGD(0.1)), average_decay=0.5))
+        opt.build([v])
+    assert sorted(guarded_step_conds(opt, v)) == PER_DEVICE
+

@@ -127,6 +127,34 @@ def test_an_update_rule_that_aggregates_again_is_refused(rule, named, skip_nonfi
     np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
 
 
+class ReducesInAHook(dm.OptimizerWrapper):
+    """Breaks the update contract: its step hook reduces across replicas."""
+
+    def build_state(self, var_list):
+        self.total = self.add_variable(shape=(), initializer="zeros", aggregation="only_first_replica",
+                                       name="total")
+
+    def on_applied(self, grads_and_vars):
+        self.total.assign(dm.distribute.sum_across(tf.reduce_sum(grads_and_vars[0][0])))
+
+
+@pytest.mark.parametrize("rule", ["sgd", "nadam"])  # device by device; one lowered cond (Nadam)
+def test_a_step_hook_that_synchronises_is_refused_naming_it(rule):
+    """The update contract (issue 23): a hook reads and writes variables only; a
+    collective in it fails at the first trace, naming the hook and where the work belongs,
+    however the update is made."""
+    s = mirrored_strategy()
+    with s.scope():
+        v = keras.Variable([1.0, 2.0])
+        inner = keras.optimizers.SGD(0.1) if rule == "sgd" else keras.optimizers.Nadam(0.1)
+        opt = ReducesInAHook(dm.Optimizer(inner))
+        opt.build([v])
+    with pytest.raises(once.AggregationError, match=r"The step hook `ReducesInAHook.on_applied` made a collective") as e:
+        custom_step(opt, v)()
+    assert "update_condition" in str(e.value) and "sum_across" in str(e.value)
+    np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
+
+
 class AggregatesAgain(dm.OptimizerWrapper):
     def transform_gradients(self, grads_and_vars):
         return self.aggregate_gradients(super().transform_gradients(grads_and_vars))

@@ -1,0 +1,83 @@
+"""Zones of a step where collectives are watched (`dist_minimize.aggregation.once`): a
+thread's stack of zones, and the error a forbidden collective raises. Low in the package so
+that `distribute` can refuse its own collectives inside a forbidding zone too."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import tensorflow as tf
+
+# Horovod's collective ops (op types in a traced graph).
+HOROVOD_COLLECTIVES = frozenset((
+    "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather", "HorovodGroupedAllgather",
+    "HorovodBroadcast", "HorovodReducescatter", "HorovodGroupedReducescatter", "HorovodAlltoall"))
+
+
+class AggregationError(RuntimeError):
+    """A step would aggregate gradients more (or otherwise) than planned."""
+
+    # Exception's own constructor: AutoGraph then re-raises this class from a traced
+    # step (with its message), instead of a generic StagingError.
+    __init__ = Exception.__init__
+
+
+class Zone:
+    """One watched part of a step: what it is, its planned collectives, whether it forbids
+    them, and the fix its error names."""
+
+    def __init__(self, what: str, plan: int | None, forbid: bool, fix: str = ""):
+        self.what, self.plan, self.forbid, self.fix = what, plan, forbid, fix
+        self.events: list[str] = []
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.zones: list[Zone] = []
+        self.aggregations: list[str] | None = None
+
+
+STATE = _State()
+
+
+def active() -> bool:
+    """Whether this thread is inside a zone."""
+    return bool(STATE.zones)
+
+
+def record(event: str) -> None:
+    """Records a collective in this thread's innermost zone (nothing outside zones).
+
+    Raises:
+      AggregationError: the innermost zone forbids collectives (its message and fix).
+    """
+    if not STATE.zones:
+        return
+    zone = STATE.zones[-1]
+    zone.events.append(event)
+    if zone.forbid:
+        raise AggregationError(f"{zone.what} made a collective: {event}. {zone.fix}.")
+
+
+@contextlib.contextmanager
+def zone(what: str, plan: int | None, forbid: bool, fix: str = "") -> Iterator[Zone]:
+    """A zone for the code inside (in graph mode, Horovod collective ops it creates in the
+    current graph are recorded when it ends)."""
+    entered = Zone(what, plan, forbid, fix)
+    graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    first = len(graph.get_operations()) if graph is not None else 0
+    STATE.zones.append(entered)
+    try:
+        yield entered
+    finally:
+        STATE.zones.pop()
+    if graph is not None and graph is tf.compat.v1.get_default_graph():
+        for op in graph.get_operations()[first:]:
+            if op.type in HOROVOD_COLLECTIVES:
+                STATE.zones.append(entered)
+                try:
+                    record(f"a Horovod {op.type} ({op.name})")
+                finally:
+                    STATE.zones.pop()
