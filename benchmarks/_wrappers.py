@@ -232,3 +232,42 @@ def make_hand(name: str, strategy, build_model, global_batch: int):
         elif name != "weight_decay":
             raise ValueError(name)
     return _steps.Step(strategy, model, batch, replica, after=after)
+
+
+def docs_wrapper():
+    """`WeightAverage`, the complete example of docs/writing-a-wrapper.md, imported from the
+    page itself: a wrapper written from the docs, outside the package."""
+    import importlib.util
+    import os
+    import re
+    import tempfile
+
+    doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "writing-a-wrapper.md")
+    text = open(doc).read()
+    code = re.search(r"```python\n(.*?)```", text[text.index("## A complete example"):], re.S).group(1)
+    path = os.path.join(tempfile.mkdtemp(prefix="dm-bench-"), "docs_wrapper_example.py")
+    with open(path, "w") as f:
+        f.write(code)  # AutoGraph reads the source from the file
+    spec = importlib.util.spec_from_file_location("docs_wrapper_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.WeightAverage
+
+
+def make_average(kind: str, strategy, build_model, global_batch: int, average_class=None) -> _steps.Step:
+    """Adam + clip under a moving average of the weights: the built-in `MovingAverage`
+    ("builtin") or `average_class` written from the docs ("docs"), same decay."""
+    with strategy.scope():
+        model = build_model()
+        batch = _steps.batch_for(model, global_batch, strategy)
+        base = dm.Optimizer(keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(CLIP))
+        opt = dm.MovingAverage(base, average_decay=EMA_DECAY) if kind == "builtin" else average_class(
+            base, decay=EMA_DECAY)
+        opt.build(model.trainable_variables)
+
+    def replica(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(_steps.per_example_loss(model, x, y), global_batch_size=global_batch)
+        opt.minimize(loss, model.trainable_variables, tape=tape)
+
+    return _steps.Step(strategy, model, batch, replica)

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 HERE = os.path.join(ROOT, "benchmarks")
 
-SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers")
+SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers", "custom")
 STEP_TARGET, WRAPPER_TARGET, AGG_TARGET, MEMORY_TARGET = 1.03, 1.05, 0.9, 1.05
 
 
@@ -336,6 +336,38 @@ def section_wrappers(ctx):
         "checks": checks, "plot": {"wrappers": plot}}
 
 
+# -- section 8 ---------------------------------------------------------------------------
+
+CUSTOM_TARGET = 1.03
+
+
+def section_custom(ctx):
+    from benchmarks import _steps, _wrappers
+
+    average = _wrappers.docs_wrapper()
+    models = [("MLP 10 x Dense(256), 20 variables", _steps.mlp(10, 256), 256),
+              ("MLP 50 x Dense(128), 100 variables", _steps.mlp(50, 128), 256)]
+    if ctx.quick:
+        models = [("MLP 4 x Dense(32)", _steps.mlp(4, 32), 64)]
+    rows, checks = [], []
+    for label, build, batch in models:
+        makers = {kind: (lambda kind=kind: _wrappers.make_average(kind, ctx.strategy, build, batch, average))
+                  for kind in ("docs", "builtin")}
+        t, built = _compare(ctx, makers)
+        r = t.ratio("docs", "builtin").as_dict()
+        rows.append([label, f"{t.median_ms('docs'):.1f}", f"{t.median_ms('builtin'):.1f}", fmt(r),
+                     "/".join(str(b.traces) for b in built.values())])
+        checks.append(check(f"8. {label}: a wrapper from the docs / the built-in one", r, CUSTOM_TARGET))
+    return {
+        "title": "8. A wrapper written from the docs against the built-in one (MirroredStrategy, 2 CPUs, Adam + clip)",
+        "tables": [{"header": ["model", "docs' WeightAverage ms/step", "MovingAverage ms/step", "docs / built-in",
+                               "traces docs/built-in"], "rows": rows}],
+        "notes": ["The same moving average of the weights (decay 0.99) written twice: docs/writing-a-wrapper.md's "
+                  "complete example, imported from the page, and dist_minimize.MovingAverage. Both take the "
+                  "guarded update device by device (the update contract, not the class, decides)."],
+        "checks": checks, "plot": {}}
+
+
 # -- subprocess sections -------------------------------------------------------------------
 
 def _env():
@@ -528,7 +560,7 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
     started = time.time()
-    ctx = Context(args.quick) if set(only) & {"step", "clip", "aggregation", "growth", "wrappers"} else None
+    ctx = Context(args.quick) if set(only) & {"step", "clip", "aggregation", "growth", "wrappers", "custom"} else None
     results = []
     for name in SECTIONS:
         if name not in only:

@@ -18,13 +18,15 @@ from dist_minimize import launcher
 pytestmark = pytest.mark.distributed
 
 
-def test_quick_run_writes_finite_ratios(tmp_path):
-    cmd = proc.python("benchmarks/run.py", "--quick", "--no-plot", "--only", "clip",
+@pytest.mark.parametrize("section,title", [("clip", "Clipping overhead"),
+                                           ("custom", "A wrapper written from the docs")])
+def test_quick_run_writes_finite_ratios(tmp_path, section, title):
+    cmd = proc.python("benchmarks/run.py", "--quick", "--no-plot", "--only", section,
                       "--out", str(tmp_path), "--json", str(tmp_path / "r.json"))
     [(rc, out)] = proc.run_all([cmd], [proc.env()], timeout=120)
     assert rc == 0, out[-5000:]
     text = (tmp_path / "RESULTS.md").read_text()
-    assert "Clipping overhead" in text and "--quick" in text
+    assert title in text and "--quick" in text
     [section] = json.loads((tmp_path / "r.json").read_text())
     checks = section["checks"]
     assert checks and all(math.isfinite(c["median"]) and c["median"] > 0 for c in checks), checks
