@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import keras
 
 
@@ -99,7 +101,7 @@ class AveragedWeights(keras.callbacks.Callback):
       ValueError: neither `validation_data` nor `filepath`, or `every_n_epochs` < 1.
     """
 
-    def __init__(self, validation_data=None, filepath: str | None = None, every_n_epochs: int = 1):
+    def __init__(self, validation_data: Any = None, filepath: str | None = None, every_n_epochs: int = 1):
         super().__init__()
         if validation_data is None and filepath is None:
             raise ValueError("`AveragedWeights` needs `validation_data`, `filepath` or both. "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import keras
 import tensorflow as tf
@@ -142,7 +142,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
             "get_gradients", before, self.get_gradients(value, variables, tape))
         return self.apply_gradients(grads_and_vars)
 
-    def apply_gradients(self, grads_and_vars, aggregate: bool = True,
+    def apply_gradients(self, grads_and_vars: Iterable, aggregate: bool = True,
                         decay_var_list: Sequence | None = None) -> tf.Variable:
         """Runs the last four stages on per-replica gradients.
 

@@ -85,7 +85,7 @@ class MovingAverage(AveragingWrapper):
 
     def __init__(self, optimizer: StagedOptimizer, average_decay: float = 0.99, dynamic_decay: bool = False,
                  start_step: int = 0, overwrite_frequency: int | None = None, assign_on_finalize: bool = False,
-                 name: str | None = None, *, num_updates=None):
+                 name: str | None = None, *, num_updates: int | tf.Variable | tf.Tensor | None = None):
         average_decay = check_unit_interval("average_decay", average_decay)
         num_updates = _check_num_updates(num_updates)
         start_step = check_nonnegative_int("start_step", start_step)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import keras
 import tensorflow as tf
@@ -67,7 +67,8 @@ class DecoupledWeightDecay(OptimizerWrapper):
 
     once_per_stack = True
 
-    def __init__(self, optimizer: StagedOptimizer, weight_decay, exclude_from_weight_decay: Sequence[str] | None = None,
+    def __init__(self, optimizer: StagedOptimizer, weight_decay: float | Callable,
+                 exclude_from_weight_decay: Sequence[str] | None = None,
                  scale_by_learning_rate: bool = False, name: str | None = None):
         weight_decay = _check_weight_decay(weight_decay)
         patterns = list(exclude_from_weight_decay or [])
