@@ -97,7 +97,15 @@ def _reduce(value, op: str, name: str):
     ctx = _replica_context_or_raise(f"{op}_across")
     if tf.distribute.has_strategy() and ctx is not None and ctx.num_replicas_in_sync > 1:
         reduce_op = tf.distribute.ReduceOp.SUM if op == "sum" else tf.distribute.ReduceOp.MEAN
-        out = ctx.all_reduce(reduce_op, values)
+        # One all-reduce per dtype: tf.distribute packs a list into one buffer, which
+        # fails for values of several dtypes.
+        out = [None] * len(values)
+        by_dtype: dict = {}
+        for i, v in enumerate(values):
+            by_dtype.setdefault(v.dtype, []).append(i)
+        for indices in by_dtype.values():
+            for i, r in zip(indices, ctx.all_reduce(reduce_op, [values[i] for i in indices])):
+                out[i] = r
     else:
         hvd = horovod()
         if hvd is not None and hvd.size() > 1:
@@ -292,7 +300,7 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
             def run():
                 strategy.extended.call_for_each_replica(fn, args=args)
 
-            tf.cond(agreed, run, otherwise)
+            tf.cond(agreed, run, lambda: _discard(otherwise()))
 
         ctx.merge_call(cross_replica, args=(condition, args, [value for _, value in updates]))
         return
@@ -304,7 +312,12 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
         else:
             otherwise()
     else:
-        tf.cond(condition, lambda: fn(*args), otherwise)
+        tf.cond(condition, lambda: _discard(fn(*args)), lambda: _discard(otherwise()))
+
+
+def _discard(_) -> None:
+    """A branch's result is not `run_if`'s: the two branches need not return alike."""
+    return None
 
 
 def worker_device_types() -> set[str]:
@@ -359,6 +372,7 @@ def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), othe
                 lambda a: strategy.experimental_local_results(a)[i]
                 if isinstance(a, tf.distribute.DistributedValues) else a, args)
             with tf.device(device), _compat.update_context(i):
-                _compat.unlowered_cond(agreed, lambda: fn(i, *local_args), lambda: otherwise(i), device)
+                _compat.unlowered_cond(agreed, lambda: _discard(fn(i, *local_args)), lambda: _discard(otherwise(i)),
+                                       device)
 
     ctx.merge_call(cross_replica, args=(condition, tuple(args), [value for _, value in updates]))

@@ -109,7 +109,7 @@ def horovod(tmp_path_factory):
     out = tmp_path_factory.mktemp("rules-hvd")
     log = out / "log.txt"
     with open(log, "w") as f:
-        rc = launcher.launch("horovod-gloo", 2, [f"{proc.ROOT}/tests/distributed/horovod_worker.py", str(out),
+        rc = launcher.launch("horovod-gloo", 2, [f"{proc.ROOT}/tests/workers/horovod_worker.py", str(out),
                                                  "keras_rules"], timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
     assert rc == 0, f"horovodrun exited {rc}:\n{log.read_text()[-5000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

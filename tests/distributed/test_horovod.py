@@ -38,7 +38,7 @@ def job(launcher_name: str, np_: int, scenario: str, tmp_root) -> list:
         try:
             with open(log, "w") as f:
                 rc = launcher.launch(launcher_name, np_,
-                                     [os.path.join(proc.ROOT, "tests/distributed/horovod_worker.py"),
+                                     [os.path.join(proc.ROOT, "tests/workers/horovod_worker.py"),
                                       str(out), scenario], timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
         except BaseException:
             _failed[key] = f"{launcher_name} job was interrupted:\n{log.read_text()[-5000:]}"
@@ -351,7 +351,7 @@ def test_failing_worker_ends_the_job_quickly(tmp_path, launcher_name, mode):
     log = tmp_path / "log.txt"
     start = time.monotonic()
     with open(log, "w") as f:
-        rc = launcher.launch(launcher_name, 2, [os.path.join(proc.ROOT, "tests/distributed/failing_worker.py"), mode],
+        rc = launcher.launch(launcher_name, 2, [os.path.join(proc.ROOT, "tests/workers/failing_worker.py"), mode],
                              timeout=120, out=f, child_output=f)
     elapsed = time.monotonic() - start
     text = log.read_text()

@@ -20,7 +20,7 @@ _cache = {}
 
 def results(n: int) -> dict:
     if n not in _cache:
-        [(rc, out)] = proc.run_all([proc.python("tests/distributed/mirrored_worker.py", str(n))],
+        [(rc, out)] = proc.run_all([proc.python("tests/workers/mirrored_worker.py", str(n))],
                                    [proc.env()], timeout=proc.JOB_TIMEOUT)
         assert rc == 0, f"mirrored worker (N={n}) exited {rc}:\n{out[-5000:]}"
         line = next(l for l in out.splitlines() if l.startswith("RESULTS "))

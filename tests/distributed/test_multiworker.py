@@ -26,7 +26,7 @@ def run_workers(out, cases, attempts: int = 4) -> list:
     for _ in range(attempts):
         ports = proc.free_ports(2)
         results = proc.run_all(
-            [proc.python("tests/distributed/multiworker_worker.py", str(out / f"w{i}.json"), *cases)
+            [proc.python("tests/workers/multiworker_worker.py", str(out / f"w{i}.json"), *cases)
              for i in range(2)],
             [proc.env(TF_CONFIG=proc.tf_config(ports, i), DM_COLLECTIVE_TIMEOUT=60) for i in range(2)],
             timeout=TIMEOUT,

@@ -1,6 +1,6 @@
 """Issue 12: what a local job exposes on the network, measured while it runs.
 
-Each local launcher starts a short job (tests/distributed/security_worker.py: set-up and
+Each local launcher starts a short job (tests/workers/security_worker.py: set-up and
 one collective, then a wait); the TCP sockets in LISTEN state of the whole process tree
 are listed from /proc. Every one must be on loopback, except the ports
 docs/security.md documents as unbindable (TensorFlow's gRPC server, Open MPI's out-of-band
@@ -20,7 +20,7 @@ from conftest import requires_horovod
 from dist_minimize import launcher
 
 pytestmark = pytest.mark.distributed
-WORKER = os.path.join(proc.ROOT, "tests", "distributed", "security_worker.py")
+WORKER = os.path.join(proc.ROOT, "tests", "workers", "security_worker.py")
 JOB_TIMEOUT = 120  # the launcher's own limit; pytest-timeout's is longer
 
 # launcher, worker mode, processes that report ready, who may listen beyond loopback
