@@ -206,6 +206,20 @@ class UntrackedBaseState:
             super()._track_variable(variable)
 
 
+def initialized_outside_functions(variables) -> bool:
+    """Whether every variable holds a value outside the functions being traced (False for
+    one created by the function being traced, which is initialized only when it runs)."""
+    with tf.init_scope():
+        for v in variables:
+            raw = v.value if isinstance(v, keras.Variable) else v
+            try:
+                if not bool(raw.is_initialized()):
+                    return False
+            except (AttributeError, TypeError, ValueError, tf.errors.OpError):
+                return False
+    return True
+
+
 def in_xla_context() -> bool:
     """Whether the code being traced will be compiled by XLA (`tf.function(jit_compile=True)`,
     which is what Keras's `jit_compile=True` uses). TensorFlow's `control_flow_util`."""

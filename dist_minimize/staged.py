@@ -182,10 +182,18 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         fails with "You must feed a value for placeholder tensor
         'cond/else/_1/cond/Placeholder'".
 
+        Where the variables were themselves created in the function being traced (a model
+        built by its first traced step, as Keras's `fit` does without a strategy), their
+        values exist only inside it: the stack is then built there, as Keras builds.
+
         Args:
           variables: the variables to build for (the first step's).
         """
         _stages.check_variables_in_strategy(variables)
+        if not _compat.initialized_outside_functions(variables):
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            return
         strategy = tf.distribute.get_strategy()
 
         def build(*_):

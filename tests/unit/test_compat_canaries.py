@@ -72,6 +72,27 @@ def check_heard(heard):
         assert heard == [2, 2]
 
 
+def test_a_variable_made_by_the_traced_function_is_not_initialized_outside_it():
+    """`initialized_outside_functions` reads `is_initialized()` of the resource variable
+    (its value lifted out of a function only once the function runs)."""
+    made = []
+
+    @tf.function
+    def step():
+        if not made:
+            made.append(tf.Variable(1.0))
+            made.append(keras.Variable([1.0, 2.0]))
+        outside = _compat.initialized_outside_functions(made)
+        made_before.append(outside)
+        return made[0] + 1.0
+
+    made_before = []
+    step()
+    assert made_before[0] is False
+    assert _compat.initialized_outside_functions(made)
+    assert _compat.initialized_outside_functions([tf.Variable(2.0), keras.Variable(3.0)])
+
+
 def test_keras_optimizer_captures_its_distribution_strategy():
     opt = keras.optimizers.SGD(0.1)
     assert _compat.inner_strategy(opt) is tf.distribute.get_strategy()

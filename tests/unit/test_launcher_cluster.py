@@ -188,7 +188,7 @@ def test_listening_sockets_and_the_exposed_line():
         [line] = [x for x in out.getvalue().splitlines() if f":{every.getsockname()[1]} " in x]
         assert not [x for x in out.getvalue().splitlines() if f":{loop.getsockname()[1]} " in x]
         assert f"listens on 0.0.0.0:{every.getsockname()[1]} (every interface)" in line
-        assert "no authentication; a cause" in line and "Security" in line
+        assert "no authentication; a cause" in line and "docs/security.md" in line
     finally:
         loop.close()
         every.close()
