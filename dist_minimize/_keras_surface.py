@@ -1,6 +1,7 @@
 """The Keras optimizer surface of a dist_minimize optimizer: Keras's settings read back as
-the stack applies them, attributes of the wrapped update rule read through, and the
-Keras methods that reach the update rule (`update_step`, `weight_decay`, ...).
+the stack applies them, attributes of the wrapped update rule read through, the Keras
+methods that reach the update rule (`update_step`, `weight_decay`, ...), and Keras's
+entry points to a step (`apply`, and `scale_loss`, which `fit` calls).
 
 A mixin of `StagedOptimizer`; it knows no subclass: each optimizer of a stack answers
 its own Keras settings (`keras_settings()`), and the update rule is found by what holds
@@ -8,6 +9,11 @@ one (`inner_optimizer`).
 """
 
 from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from dist_minimize import _stages
 
 # Keras optimizer settings that act per replica, before any aggregation: set on a
 # dist_minimize optimizer they would change nothing, so setting one is refused, naming
@@ -70,6 +76,43 @@ def _keras_setting_property(setting: str) -> property:
 
 class KerasSurface:
     """Keras's optimizer surface on a dist_minimize optimizer (see the module docstring)."""
+
+    def apply(self, grads, trainable_variables=None):
+        """Keras's `apply(grads, trainable_variables)`: same as `apply_gradients`."""
+        grads = list(grads)
+        if trainable_variables is None:
+            if not self.built:
+                raise ValueError(
+                    "`trainable_variables` is required until the optimizer is built: call "
+                    "`optimizer.build(model.trainable_variables)` first. "
+                    "Received: trainable_variables=None")
+            trainable_variables = self.trained_variables
+        trainable_variables = list(trainable_variables)
+        _stages.check_lengths(grads, trainable_variables)
+        return self.apply_gradients(zip(grads, trainable_variables))
+
+    def scale_loss(self, loss):
+        """Keras `model.fit` hook: runs `transform_loss` inside the training tape.
+
+        Raises:
+          RuntimeError: an optimizer of the stack overrides `get_gradients`, which
+            Keras's `fit` never calls (it takes the gradients from its own tape and calls
+            `apply_gradients`): the override would be silently skipped.
+        """
+        opt = self
+        while opt is not None:
+            if not getattr(type(opt).get_gradients, "_dm_default_stage", False):
+                raise RuntimeError(
+                    f"{type(opt).__name__} overrides `get_gradients`, but Keras's `model.fit` never "
+                    "calls it: it computes the gradients with its own tape and calls "
+                    "`apply_gradients`, so the override would be skipped without a word. Call "
+                    "`dist_minimize.integrate(model)` after `model.compile` (fit then runs every "
+                    "stage), train with a custom loop that calls `optimizer.minimize(loss, variables, "
+                    "tape=tape)`, or move the change into `transform_unaggregated_gradients`.")
+            opt = getattr(opt, "wrapped", None)
+        if not tf.is_tensor(loss):  # Keras's own accepts a Python number
+            loss = tf.convert_to_tensor(loss, dtype=keras.backend.floatx() if isinstance(loss, (int, float)) else None)
+        return self.transform_loss(loss)
 
     def keras_settings(self) -> dict:
         """The Keras optimizer settings this optimizer itself applies, by name (e.g.

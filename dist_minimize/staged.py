@@ -222,43 +222,6 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         finally:
             decay.choose_for_step_reset()
 
-    def apply(self, grads, trainable_variables=None):
-        """Keras's `apply(grads, trainable_variables)`: same as `apply_gradients`."""
-        grads = list(grads)
-        if trainable_variables is None:
-            if not self.built:
-                raise ValueError(
-                    "`trainable_variables` is required until the optimizer is built: call "
-                    "`optimizer.build(model.trainable_variables)` first. "
-                    "Received: trainable_variables=None")
-            trainable_variables = self.trained_variables
-        trainable_variables = list(trainable_variables)
-        _stages.check_lengths(grads, trainable_variables)
-        return self.apply_gradients(zip(grads, trainable_variables))
-
-    def scale_loss(self, loss):
-        """Keras `model.fit` hook: runs `transform_loss` inside the training tape.
-
-        Raises:
-          RuntimeError: an optimizer of the stack overrides `get_gradients`, which
-            Keras's `fit` never calls (it takes the gradients from its own tape and calls
-            `apply_gradients`): the override would be silently skipped.
-        """
-        opt = self
-        while opt is not None:
-            if not getattr(type(opt).get_gradients, "_dm_default_stage", False):
-                raise RuntimeError(
-                    f"{type(opt).__name__} overrides `get_gradients`, but Keras's `model.fit` never "
-                    "calls it: it computes the gradients with its own tape and calls "
-                    "`apply_gradients`, so the override would be skipped without a word. Call "
-                    "`dist_minimize.integrate(model)` after `model.compile` (fit then runs every "
-                    "stage), train with a custom loop that calls `optimizer.minimize(loss, variables, "
-                    "tape=tape)`, or move the change into `transform_unaggregated_gradients`.")
-            opt = getattr(opt, "wrapped", None)
-        if not tf.is_tensor(loss):  # Keras's own accepts a Python number
-            loss = tf.convert_to_tensor(loss, dtype=keras.backend.floatx() if isinstance(loss, (int, float)) else None)
-        return self.transform_loss(loss)
-
     @staticmethod
     def _run_stage(name: str, fn: Callable, grads_and_vars: list) -> list:
         return _stages.check_stage_output(name, grads_and_vars, fn(list(grads_and_vars)))

@@ -107,7 +107,7 @@ def _caller() -> str:
     frame = sys._getframe(2)
     outside = None
     skip = (os.sep + "tensorflow" + os.sep, os.sep + "keras" + os.sep + "src" + os.sep + "backend",
-            __file__, _compat.__file__)
+            __file__, os.path.dirname(_compat.__file__))
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.optimizers.Optimizer) and frame.f_code.co_name != "all_reduce":

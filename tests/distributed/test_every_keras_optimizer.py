@@ -32,9 +32,7 @@ import pytest
 import tensorflow as tf
 
 import parity_lib as P
-import proc
 from conftest import mirrored_strategy, requires_horovod
-from dist_minimize import launcher
 
 pytestmark = pytest.mark.distributed
 
@@ -106,13 +104,9 @@ def test_multiworker(multiworker, case):
 
 @pytest.fixture(scope="module")
 def horovod(tmp_path_factory):
-    out = tmp_path_factory.mktemp("rules-hvd")
-    log = out / "log.txt"
-    with open(log, "w") as f:
-        rc = launcher.launch("horovod-gloo", 2, [f"{proc.ROOT}/tests/workers/horovod_worker.py", str(out),
-                                                 "keras_rules"], timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
-    assert rc == 0, f"horovodrun exited {rc}:\n{log.read_text()[-5000:]}"
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    from test_horovod import job  # the shared, bounded horovodrun job of the Horovod tests
+
+    return job("horovod-gloo", 2, "keras_rules", tmp_path_factory.mktemp("rules-hvd"))
 
 
 @requires_horovod
