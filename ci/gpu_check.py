@@ -10,13 +10,11 @@ what it could not run:
   off so that float32 matmuls are exact float32). With one physical GPU it is split into
   2 logical GPUs; NCCL needs a distinct GPU per rank, so that case uses the strategy's
   HierarchicalCopyAllReduce and reports NCCL as not run.
-* per-device update: dist_minimize makes its guarded update device by device (one
-  unlowered If per device) on CPUs only (`dist_minimize._per_device.PER_DEVICE_TYPES`): an
-  If runs its branch on its own device without soft placement, and an op with no GPU
-  kernel there would fail. Here it is forced on for this machine's devices, for Adam and
-  for SWA(Lookahead(Adam)) (int64 schedules), and checked against one device (<= 1e-6)
-  with the If ops counted. Reported, not judged (the product does not use it on GPUs
-  yet): a failure says to keep PER_DEVICE_TYPES as it is.
+* guarded update: dist_minimize makes its guarded update device by device, one If per
+  device that TensorFlow keeps whole where every op of the update has a kernel for the
+  device (`dist_minimize._compat.ops_without_kernel`). Adam and SWA(Lookahead(Adam))
+  (whose schedules avoid int64 FloorMod) against one device (<= 1e-6), with the whole
+  Ifs counted and any op without a kernel listed.
 * throughput: steps/s of a 4x1024 MLP with dist_minimize (NCCL + clipping) against stock
   Keras (no clipping) in the same run; the ratio is reported, not judged.
 
@@ -125,7 +123,7 @@ def main(argv=None) -> int:
         print(f"[gpu-check] parity {opt_name}: {steps['replicas']} replicas ({aggregate}) vs 1 {kind.upper()}: "
               f"max abs diff {diff:.3g} -> {'PASS' if passed else 'FAIL'}", flush=True)
 
-    per_device_update(tf, keras, dm, P, kind, strategy, single, report)  # reported, not judged
+    ok &= per_device_update(tf, keras, dm, P, kind, strategy, single, report)
 
     def throughput(use_dm: bool) -> float:
         import numpy as np
@@ -157,9 +155,11 @@ def main(argv=None) -> int:
     return done(0 if ok else 1)
 
 
-def per_device_update(tf, keras, dm, P, kind: str, strategy, single, report: dict) -> None:
-    """The per-device guarded update forced on for `kind` devices: parity and If count."""
-    from dist_minimize import _per_device
+def per_device_update(tf, keras, dm, P, kind: str, strategy, single, report: dict) -> bool:
+    """The guarded update made device by device on `kind` devices: parity against one
+    device, and how many of its Ifs TensorFlow runs whole (one per device where every op
+    of the update has a kernel there; the ops without one are listed)."""
+    from dist_minimize import _compat
 
     stacks = {
         "adam": lambda: dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(0.5)),
@@ -167,36 +167,31 @@ def per_device_update(tf, keras, dm, P, kind: str, strategy, single, report: dic
             dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(0.5)),
             sync_period=2), start_averaging=0, average_period=2),
     }
-    saved = _per_device.PER_DEVICE_TYPES
-    _per_device.PER_DEVICE_TYPES = tuple(sorted(set(saved) | {kind.upper()}))
-    try:
-        for name, make in stacks.items():
-            key = f"per_device/{name}"
-            try:
-                x, y = P.make_data()
-                ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(P.GLOBAL_BATCH)
-                want, _ = P.train_custom(single, make, ds, P.STEPS, P.GLOBAL_BATCH)
-                got, opt = P.train_custom(strategy, make, ds, P.STEPS, P.GLOBAL_BATCH)
-                variables = opt.trained_variables
+    ok = True
+    for name, make in stacks.items():
+        key = f"per_device/{name}"
+        x, y = P.make_data()
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(P.GLOBAL_BATCH)
+        want, _ = P.train_custom(single, make, ds, P.STEPS, P.GLOBAL_BATCH)
+        got, opt = P.train_custom(strategy, make, ds, P.STEPS, P.GLOBAL_BATCH)
+        variables = opt.trained_variables
 
-                @tf.function
-                def probe():
-                    strategy.run(lambda: opt.apply_gradients([(tf.zeros_like(v), v) for v in variables]))
+        @tf.function
+        def probe():
+            strategy.run(lambda: opt.apply_gradients([(tf.zeros_like(v), v) for v in variables]))
 
-                graph = probe.get_concrete_function().graph
-                whole = sum(1 for op in graph.get_operations()
-                            if op.type in ("If", "StatelessIf") and not op.get_attr("_lower_using_switch_merge"))
-                diff = P.max_abs_diff(want, got)
-                passed = diff <= 1e-6 and whole == strategy.num_replicas_in_sync
-                report["checks"][key] = {"max_abs_diff": diff, "unlowered_ifs": whole, "passed": passed}
-                print(f"[gpu-check] per-device update {name} on {kind.upper()}s: max abs diff {diff:.3g}, "
-                      f"{whole} unlowered If(s) -> {'PASS' if passed else 'FAIL'}", flush=True)
-            except Exception as e:  # reported, not raised: the product does not use it here yet
-                report["checks"][key] = {"passed": False, "error": f"{type(e).__name__}: {str(e)[:500]}"}
-                print(f"[gpu-check] per-device update {name} on {kind.upper()}s: FAILED with "
-                      f"{type(e).__name__}: {str(e)[:300]} (keep PER_DEVICE_TYPES = {saved})", flush=True)
-    finally:
-        _per_device.PER_DEVICE_TYPES = saved
+        ifs = [op for op in probe.get_concrete_function().graph.get_operations() if op.type in ("If", "StatelessIf")]
+        whole = [op for op in ifs if not op.get_attr("_lower_using_switch_merge")]
+        missing = sorted({m for op in ifs if op not in whole for m in _compat.ops_without_kernel(op, kind.upper())})
+        diff = P.max_abs_diff(want, got)
+        passed = diff <= 1e-6
+        ok &= passed
+        report["checks"][key] = {"max_abs_diff": diff, "unlowered_ifs": len(whole), "ifs": len(ifs),
+                                 "ops_without_kernel": missing, "passed": passed}
+        print(f"[gpu-check] guarded update {name} on {kind.upper()}s: max abs diff {diff:.3g} -> "
+              f"{'PASS' if passed else 'FAIL'}; {len(whole)} of {len(ifs)} If(s) whole (one per device "
+              f"expected){'; ops without a kernel: ' + ', '.join(missing) if missing else ''}", flush=True)
+    return ok
 
 
 if __name__ == "__main__":

@@ -272,7 +272,9 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
     accumulation and EMA overwrite fail under MirroredStrategy). So the branch is taken
     once, in the cross-replica context, on replica 0's `condition` (equal on all, by
     contract), and `fn` then runs on every replica. `otherwise` runs once there;
-    elsewhere (no strategy, Horovod) both run in each process.
+    elsewhere (no strategy, Horovod) both run in each process, in one `If` op that
+    TensorFlow does not lower where all the branch's resources live on one device
+    (`_compat.unlowered_cond`).
 
     Pass every per-replica tensor `fn` needs through `args`: under merge-call
     strategies `fn` runs from the cross-replica context, where a tensor it captured
@@ -306,13 +308,7 @@ def run_if(condition: tf.Tensor, fn: Callable, args: tuple = (), otherwise: Call
         return
     for variable, value in updates:
         variable.assign(value)
-    if tf.executing_eagerly():
-        if bool(condition):
-            fn(*args)
-        else:
-            otherwise()
-    else:
-        tf.cond(condition, lambda: _discard(fn(*args)), lambda: _discard(otherwise()))
+    _compat.unlowered_cond(condition, lambda: _discard(fn(*args)), lambda: _discard(otherwise()))
 
 
 def _discard(_) -> None:
@@ -349,7 +345,8 @@ def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), othe
     `otherwise(i)`. `local_args` is `args` with every per-replica value replaced by its
     value on device `i`. Each branch is one `If` op on its device that TensorFlow
     does not lower (`_compat.unlowered_cond`; lowered after all if it reads a resource
-    of another device, such as a variable made outside the strategy's scope): `fn` must
+    of another device, such as a variable made outside the strategy's scope, or holds
+    an op without a kernel for the device): `fn` must
     write only that device's copies (what `strategy.extended.update` does per device,
     and what distributed variables resolve to inside the update context) and must not
     use collectives or `merge_call`.
@@ -372,7 +369,6 @@ def run_if_per_device(condition: tf.Tensor, fn: Callable, args: tuple = (), othe
                 lambda a: strategy.experimental_local_results(a)[i]
                 if isinstance(a, tf.distribute.DistributedValues) else a, args)
             with tf.device(device), _compat.update_context(i):
-                _compat.unlowered_cond(agreed, lambda: _discard(fn(i, *local_args)), lambda: _discard(otherwise(i)),
-                                       device)
+                _compat.unlowered_cond(agreed, lambda: _discard(fn(i, *local_args)), lambda: _discard(otherwise(i)))
 
     ctx.merge_call(cross_replica, args=(condition, tuple(args), [value for _, value in updates]))

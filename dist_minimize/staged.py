@@ -236,9 +236,11 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         `top.run_update(...)`; by default it is the update itself: `aggregate_gradients`
         (when `aggregate`), `transform_gradients`, then `apply_updates` if
         `top.update_condition(...)` holds, followed by `on_applied` (or `on_skipped`)
-        on every optimizer of the stack. Under MirroredStrategy and
-        MultiWorkerMirroredStrategy that branch is one unlowered cond per device when
-        the whole stack allows it (`_per_device_ok`), else `run_if`'s one cond.
+        on every optimizer of the stack. That branch is one `If` op per device that
+        TensorFlow does not lower (`_compat.unlowered_cond`): in each process without a
+        merge-call strategy (one device, Horovod), and device by device under
+        MirroredStrategy and MultiWorkerMirroredStrategy when the Keras rule allows it
+        (`_per_device_ok`), else `run_if`'s one cond taken in the cross-replica context.
         Wrappers pass the call inward, so a wrapper that changes WHEN the update
         happens (gradient accumulation) overrides this and
         calls `super().run_update(...)` under `dist_minimize.distribute.run_if`.
@@ -292,20 +294,19 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         Why: `run_if` takes its branch once in the cross-replica context, and TensorFlow
         lowers that multi-device `tf.cond` into a Switch and an Identity per input per
         device (about 800 at 100 variables on 2 devices: a 1.13x step). One unlowered
-        cond per device holds the same update and costs one kernel each.
+        cond per device holds the same update and costs one kernel each (where its ops
+        have kernels for the device: `_compat.unlowered_cond`).
 
         The step hooks (`apply_updates`, `on_applied`, `on_skipped`) may run device by
         device because their contract allows only reading and writing variables (no
-        collective: `_apply_and_notify` checks it, for every class alike). Yes when the
-        devices are of a type in `PER_DEVICE_TYPES` (CPUs), every variable has one copy
-        per device (not so under CentralStorageStrategy), and the Keras update rule at
-        the bottom keeps Keras's own `apply` path (`_compat.keras_apply_on_device_blocker`:
-        Nadam, Muon, MultiOptimizer, constraints, ... keep `run_if`).
+        collective: `_apply_and_notify` checks it, for every class alike). Yes when
+        every variable has one copy per device (not so under CentralStorageStrategy),
+        and the Keras update rule at the bottom keeps Keras's own `apply` path
+        (`_compat.keras_apply_on_device_blocker`: Nadam, Muon, MultiOptimizer,
+        constraints, ... keep `run_if`).
         """
         rule = self.stack()[-1].__dict__.get("inner_optimizer")  # the Keras update rule, if any
         if rule is None:
-            return False
-        if not distribute.worker_device_types() <= set(_per_device.PER_DEVICE_TYPES):
             return False
         if not distribute.has_copy_per_device([v for _, v in grads_and_vars] + [self.iterations]):
             return False

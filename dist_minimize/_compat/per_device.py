@@ -86,20 +86,20 @@ def update_context(index: int):
     return distribute_lib.UpdateContext(index)
 
 
-def unlowered_cond(pred: tf.Tensor, true_fn, false_fn, device: str | None = None) -> bool:
-    """`tf.cond(pred, true_fn, false_fn)` kept as one `If` op when executed.
+def unlowered_cond(pred: tf.Tensor, true_fn, false_fn) -> bool:
+    """`tf.cond(pred, true_fn, false_fn)` kept as one `If` op where it can be.
 
     Inside `tf.function`, TensorFlow lowers every `If` into a Switch and an Identity
     per input and a Merge per output (`_lower_using_switch_merge`, set by cond_v2),
-    so that parts of the branches can run on several devices. An `If` whose inputs
-    all live on one device does not need it; kept whole it costs one kernel launch
-    instead of hundreds. The attribute is private; eagerly this is a plain branch.
-
-    With `device`, the `If` is kept whole only when every resource it reads or writes
-    lives on `device`: TensorFlow cannot place one op on resources of two devices
-    (e.g. a learning-rate callable reading a variable made outside `strategy.scope()`,
-    on another device than this branch's copies). Otherwise it is lowered as any
-    `tf.cond`: the same result, at the usual cost.
+    so that parts of the branches can run on several devices and an op without a
+    kernel on one device can fall back to another. Kept whole, an `If` costs one
+    kernel launch instead of hundreds, and runs its branches as functions on its own
+    device. That is safe, and done, when every resource it reads or writes lives on
+    one device that the `If` may be placed on (`one_resource_device`), and every op of
+    its branches, nested functions included, has a kernel for that device's type
+    (`ops_without_kernel`: on a GPU, an int64 FloorMod has none). Otherwise the `If` is
+    lowered as any `tf.cond`: the same result, at the usual cost. Eagerly this is a
+    plain branch. (The attribute is private.)
 
     Returns:
       Whether the cond is kept whole (True eagerly).
@@ -116,38 +116,120 @@ def unlowered_cond(pred: tf.Tensor, true_fn, false_fn, device: str | None = None
     if len(made) != 1 or "_lower_using_switch_merge" not in made[0].node_def.attr:
         raise RuntimeError(
             f"This TensorFlow ({tf.__version__}) builds tf.cond differently ({[op.type for op in made]}); "
-            "dist_minimize cannot keep its per-device update in one op. Supported: TensorFlow 2.16-2.21.")
-    if device is not None and not resources_on(made[0].inputs, device):
+            "dist_minimize cannot keep its update in one op. Supported: TensorFlow 2.16-2.21.")
+    device = one_resource_device(made[0])
+    if device is None or ops_without_kernel(made[0], device.device_type):
         return False
     made[0]._set_attr("_lower_using_switch_merge", attr_value_pb2.AttrValue(b=False))
     return True
 
 
-def resources_on(tensors, device: str) -> bool:
-    """Whether every resource tensor among `tensors` is a handle to a resource on
-    `device` (a resource whose device cannot be told counts as elsewhere).
+def one_resource_device(op: tf.Operation) -> tf.DeviceSpec | None:
+    """The one device every resource input of `op` lives on, if there is one and `op`'s
+    own requested device (if any) can be it; else None (no resource, resources on
+    several devices, or a resource whose device cannot be told)."""
+    captured: dict = {}
+    devices = [resource_device(t, captured) for t in op.inputs if t.dtype == tf.resource]
+    if not devices or any(d is None for d in devices):
+        return None
+    first = devices[0]
+    if not first.device_type or any(not _same_device(d, first) for d in devices[1:]):
+        return None
+    if op.device and not _same_device(tf.DeviceSpec.from_string(op.device), first):
+        return None
+    return first
+
+
+def resource_device(handle: tf.Tensor, captured: dict | None = None) -> tf.DeviceSpec | None:
+    """The device of the resource behind `handle`, or None where it cannot be told.
 
     Inside `tf.function` a variable's handle is a placeholder standing for a handle
     captured from outside; it is followed, through every enclosing function graph
     (`FuncGraph.captures`, private), to the handle it stands for, which has the
-    resource's device.
+    resource's device. `captured`: a cache of each graph's captures, for many calls.
     """
-    want = tf.DeviceSpec.from_string(device)
-    captured: dict = {}  # graph -> {id(placeholder): captured tensor}
+    captured = {} if captured is None else captured
+    t = handle
+    while tf.is_symbolic_tensor(t) and t.op.type == "Placeholder":
+        if t.graph not in captured:
+            captured[t.graph] = {id(inner): outer for outer, inner in getattr(t.graph, "captures", ())}
+        outer = captured[t.graph].get(id(t))
+        if outer is None:
+            break
+        t = outer
+    return tf.DeviceSpec.from_string(t.device) if t.device else None
+
+
+def resources_on(tensors, device: str) -> bool:
+    """Whether every resource tensor among `tensors` is a handle to a resource on
+    `device` (a resource whose device cannot be told counts as elsewhere)."""
+    want, captured = tf.DeviceSpec.from_string(device), {}
     for t in tensors:
-        if t.dtype != tf.resource:
-            continue
-        while tf.is_symbolic_tensor(t) and t.op.type == "Placeholder":
-            graph = t.graph
-            if graph not in captured:
-                captured[graph] = {id(inner): outer for outer, inner in getattr(graph, "captures", ())}
-            outer = captured[graph].get(id(t))
-            if outer is None:
-                break
-            t = outer
-        if not t.device or not _same_device(tf.DeviceSpec.from_string(t.device), want):
-            return False
+        if t.dtype == tf.resource:
+            found = resource_device(t, captured)
+            if found is None or not _same_device(found, want):
+                return False
     return True
+
+
+def ops_without_kernel(op: tf.Operation, device_type: str) -> list[str]:
+    """The ops inside `op`'s functions (an `If`'s branches, and every function they
+    call, recursively) that have no kernel registered for `device_type` with their
+    types, e.g. `["FloorMod(T=int64)"]`; empty when each has one. Reads TensorFlow's
+    kernel registry (`tensorflow.python.framework.kernels`) and the graph's function
+    library (`Graph._get_function`, private)."""
+    graph, missing, seen = op.graph, [], set()
+    pending = [a.func.name for a in op.node_def.attr.values() if a.HasField("func")]
+    while pending:
+        name = pending.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        function = graph._get_function(name)
+        if function is None:
+            return [f"function {name} (not found)"]
+        definition = getattr(function, "definition", None) or function.cached_definition
+        for node in definition.node_def:
+            pending += [a.func.name for a in node.attr.values() if a.HasField("func")]
+            pending += [f.name for a in node.attr.values() for f in a.list.func]
+            if not _has_kernel(node, device_type.upper()):
+                types = ",".join(f"{k}={tf.dtypes.as_dtype(a.type).name}" for k, a in sorted(node.attr.items())
+                                 if a.type)
+                missing.append(f"{node.op}({types})")
+    return sorted(set(missing))
+
+
+def _has_kernel(node, device_type: str) -> bool:
+    """Whether a kernel for `device_type` (or every device) accepts `node`'s type attributes."""
+    for kernel in _registered_kernels(node.op):
+        if kernel.device_type not in (device_type, "DEFAULT"):
+            continue
+        if all(_allows(node.attr.get(c.name), c) for c in kernel.constraint):
+            return True
+    return False
+
+
+def _allows(attr, constraint) -> bool:
+    allowed = set(constraint.allowed_values.list.type)
+    if attr is None or not allowed:  # an attribute left at its default, or a constraint on no type
+        return True
+    if attr.type:
+        return attr.type in allowed
+    return all(t in allowed for t in attr.list.type)
+
+
+_KERNELS: dict = {}
+
+
+def _registered_kernels(op_type: str) -> list:
+    if op_type not in _KERNELS:
+        from tensorflow.python.framework import kernels
+
+        try:
+            _KERNELS[op_type] = list(kernels.get_registered_kernels_for_op(op_type).kernel)
+        except Exception:  # an op TensorFlow does not know (a custom op's library not loaded)
+            _KERNELS[op_type] = []
+    return _KERNELS[op_type]
 
 
 def _same_device(a: tf.DeviceSpec, b: tf.DeviceSpec) -> bool:

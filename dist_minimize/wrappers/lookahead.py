@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
+from dist_minimize._periodic import on_period
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_int, check_unit_interval
 from dist_minimize.wrapper import OptimizerWrapper
@@ -52,7 +53,7 @@ class Lookahead(OptimizerWrapper):
     def on_applied(self, grads_and_vars):
         """Every `sync_period` updates: moves the slow weights, and the weights to them."""
         variables = [v for _, v in grads_and_vars]
-        sync = tf.equal(tf.cast(self.iterations, tf.int64) % self.sync_period, 0)
+        sync = on_period(self.iterations, self.sync_period)
 
         def synchronise(values):
             updates = []

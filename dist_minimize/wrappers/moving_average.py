@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from dist_minimize import distribute
+from dist_minimize._periodic import on_period
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative_int, check_positive_int, check_unit_interval
 from dist_minimize.wrappers.averaging import AveragingWrapper
@@ -147,7 +148,7 @@ class MovingAverage(AveragingWrapper):
         distribute.flush_updates(updates)
         if self.overwrite_frequency is None:
             return
-        overwrite = tf.equal(tf.cast(self.iterations, tf.int64) % self.overwrite_frequency, 0)
+        overwrite = on_period(self.iterations, self.overwrite_frequency)
 
         def write_averages(values):
             distribute.flush_updates(list(zip(variables, values)))

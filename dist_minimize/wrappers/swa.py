@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
+from dist_minimize._periodic import on_period
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative_int, check_positive_int
 from dist_minimize.wrappers.averaging import AveragingWrapper
@@ -62,9 +63,7 @@ class SWA(AveragingWrapper):
     def on_applied(self, grads_and_vars):
         """Adds the weights to the running mean on snapshot updates (every
         `average_period`-th from `start_averaging`); other updates compute nothing."""
-        t = tf.cast(self.iterations, tf.int64)
-        start = tf.constant(self.start_averaging, tf.int64)
-        join = tf.logical_and(t >= start, tf.equal((t - start) % self.average_period, 0))
+        join = on_period(self.iterations, self.average_period, self.start_averaging)
         variables = [v for _, v in grads_and_vars]
 
         def snapshot():

@@ -167,19 +167,30 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
                 np.testing.assert_allclose(average, 0.75 * np.array([1.0, 2.0]) + 0.25 * want, rtol=1e-6)
 
 
-def test_devices_of_other_types_keep_one_cond(monkeypatch):
-    """The per-device update is used on the device types in PER_DEVICE_TYPES only (CPUs:
-    on a GPU an unlowered If could not fall back to the host for an op without a GPU
-    kernel). Checked here by taking CPU out of the list."""
-    from dist_minimize import _per_device
+def test_devices_without_a_kernel_for_an_update_op_keep_their_cond_lowered(monkeypatch):
+    """A device's update is kept in one unlowered If only where every op of it has a
+    kernel for that device (`_compat.ops_without_kernel`; an unlowered If cannot fall
+    back to the host, as a lowered cond does on a GPU for an int64 FloorMod). Checked here
+    by making the registry answer that one op has none: each device's cond is lowered,
+    and the update is still right."""
+    from dist_minimize._compat import per_device
 
-    monkeypatch.setattr(_per_device, "PER_DEVICE_TYPES", ("GPU",))
+    monkeypatch.setattr(per_device, "ops_without_kernel", lambda op, device_type: ["FloorMod(T=int64)"])
     s = strategy()
     with s.scope():
         v = keras.Variable([1.0, 2.0], name="w")
-        opt = dm.SWA(dm.Optimizer(keras.optimizers.Adam(0.1)), average_period=2)
+        opt = dm.SWA(dm.Optimizer(keras.optimizers.SGD(0.1)), average_period=2)
         opt.build([v])
-    assert [lowered for lowered, _ in guarded_step_conds(opt, v)] == [True]
+    assert [lowered for lowered, _ in guarded_step_conds(opt, v)] == [True, True]
+
+    def replica_fn(poison):
+        g = tf.where(poison, tf.constant([np.nan, 1.0]), tf.constant([0.5, -0.5]))
+        opt.apply_gradients([(g, v)])
+
+    good_then_poisoned_step(replica_fn, v, use_function=True)
+    want = np.array([1.0, 2.0]) - 0.1 * np.array([1.0, -1.0])
+    for copy in local_values(v):
+        np.testing.assert_allclose(copy, want, rtol=1e-6)
 
 
 def test_central_storage_strategy_keeps_one_cond():

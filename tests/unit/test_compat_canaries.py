@@ -410,22 +410,68 @@ def test_resources_on_follows_captures_to_the_variables_device():
     assert seen == {"outer": (True, False), "nested": (True, False)}
 
 
-def test_unlowered_cond_stays_lowered_on_a_resource_of_another_device():
+def _ifs(step, *args):
+    graph = step.get_concrete_function(*args).graph
+    return [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+
+
+def test_unlowered_cond_stays_lowered_on_resources_of_two_devices():
     with tf.device("/cpu:1"):
         v = tf.Variable(0.0)
+    with tf.device("/cpu:0"):
+        w = tf.Variable(0.0)
+    seen = []
+
+    @tf.function
+    def step(pred):
+        seen.append(_compat.unlowered_cond(pred, lambda: v.assign_add(w + 1.0), lambda: v.assign_add(10.0)))
+
+    step(tf.constant(True))
+    assert float(v.numpy()) == 1.0 and seen == [False]
+    ifs = _ifs(step, tf.constant(True))
+    assert len(ifs) == 1 and ifs[0].get_attr("_lower_using_switch_merge") is True
+
+
+def test_unlowered_cond_stays_lowered_when_placed_away_from_its_resources():
+    with tf.device("/cpu:1"):
+        v = tf.Variable(0.0)
+    seen = []
 
     @tf.function
     def step(pred):
         with tf.device("/cpu:0"):
-            whole = _compat.unlowered_cond(pred, lambda: v.assign_add(1.0), lambda: v.assign_add(10.0), "/cpu:0")
-        assert whole is False
-        return whole
+            seen.append(_compat.unlowered_cond(pred, lambda: v.assign_add(1.0), lambda: v.assign_add(10.0)))
 
-    step(tf.constant(True))
-    assert float(v.numpy()) == 1.0
-    graph = step.get_concrete_function(tf.constant(True)).graph
-    ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
-    assert len(ifs) == 1 and ifs[0].get_attr("_lower_using_switch_merge") is True
+    step(tf.constant(False))
+    assert float(v.numpy()) == 10.0 and seen == [False]
+
+
+def test_unlowered_cond_stays_lowered_when_a_branch_op_has_no_kernel_for_the_device():
+    """`_compat.ops_without_kernel` reads TensorFlow's kernel registry (and the graph's
+    function library, through nested functions): a uint8 MatMul has no CPU kernel, so
+    the If holding it is left to TensorFlow's lowering. (On a GPU, an int64 FloorMod is
+    such an op: dist_minimize's schedules avoid it, `_periodic.on_period`.)"""
+    v = tf.Variable(0.0)
+    seen = {}
+
+    @tf.function
+    def step(pred, x):
+        def inner():
+            return tf.cast(tf.reduce_sum(tf.matmul(x, x)), tf.float32)
+
+        def branch():
+            nested = tf.function(inner)  # the op sits in a function the branch calls
+            v.assign_add(nested())
+
+        def other():
+            v.assign_add(1.0)
+
+        seen["whole"] = _compat.unlowered_cond(pred, branch, other)
+        if_op = [op for op in tf.compat.v1.get_default_graph().get_operations() if op.type in ("If", "StatelessIf")][0]
+        seen["CPU"] = _compat.ops_without_kernel(if_op, "CPU")
+
+    step.get_concrete_function(tf.TensorSpec([], tf.bool), tf.TensorSpec([2, 2], tf.uint8))
+    assert seen == {"whole": False, "CPU": ["MatMul(T=uint8)"]}
 
 
 def test_unlowered_cond_keeps_its_if_op_and_takes_each_branch():
@@ -444,3 +490,20 @@ def test_unlowered_cond_keeps_its_if_op_and_takes_each_branch():
     graph = step.get_concrete_function(tf.constant(True)).graph
     ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
     assert len(ifs) == 1 and ifs[0].get_attr("_lower_using_switch_merge") is False
+
+
+def test_an_adam_update_has_a_kernel_for_every_op_on_cpu():
+    v = tf.Variable([1.0, 2.0])
+    opt = keras.optimizers.Adam(0.1)
+    opt.build([v])
+    seen = {}
+
+    @tf.function
+    def step(pred, g):
+        seen["whole"] = _compat.unlowered_cond(pred, lambda: opt.apply([g], [v]), lambda: None)
+        if_op = [op for op in tf.compat.v1.get_default_graph().get_operations() if op.type in ("If", "StatelessIf")][0]
+        seen["CPU"] = _compat.ops_without_kernel(if_op, "CPU")
+
+    step(tf.constant(True), tf.constant([0.5, 0.5]))
+    assert seen == {"whole": True, "CPU": []}
+    assert int(opt.iterations.numpy()) == 1

@@ -222,6 +222,29 @@ def test_nonfinite_step_is_skipped_not_written(bad, use_function):
     assert float(stats["nonfinite_steps"]) == 1.0 and float(stats["steps"]) == 1.0
 
 
+def test_guarded_update_without_a_strategy_is_one_unlowered_if():
+    """On one device (no strategy; each Horovod process), the guarded update is one If
+    op that TensorFlow keeps whole: one kernel, not a Switch and an Identity per input
+    (issue 23: the guard cost 11% under Horovod when lowered). Wrappers' own schedules
+    (SWA's snapshot, inside it) do not change that."""
+    v = tf.Variable([1.0, 2.0])
+    opt = dm.SWA(dm.Optimizer(keras.optimizers.Adam(0.1), transform_gradients=dm.clip_by_global_norm(1.0)),
+                 average_period=2)
+
+    @tf.function
+    def step(g):
+        opt.apply_gradients([(g, v)])
+
+    step(tf.constant([0.5, 0.5]))
+    graph = step.get_concrete_function(tf.constant([0.5, 0.5])).graph
+    ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    assert [op.get_attr("_lower_using_switch_merge") for op in ifs] == [False]
+    after_good = v.numpy().copy()
+    step(tf.constant([float("nan"), 0.5]))
+    np.testing.assert_array_equal(v.numpy(), after_good)
+    assert int(opt.iterations.numpy()) == 1 and int(opt.skipped_steps.numpy()) == 1
+
+
 def test_nonfinite_written_only_when_asked():
     v = tf.Variable([1.0])
     opt = dm.Optimizer(keras.optimizers.SGD(0.1), skip_nonfinite=False)
