@@ -20,6 +20,7 @@ The anchors:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import keras
@@ -163,12 +164,54 @@ def keras_replica_fn(model, opt, global_batch):
     return replica
 
 
+@contextlib.contextmanager
+def lowered_guard():
+    """While tracing: dist_minimize's guard as TensorFlow's lowered cond (a Switch and an
+    Identity per input), the mechanism it used before its `If` was kept whole."""
+    from dist_minimize._compat import per_device
+
+    saved = per_device.one_resource_device
+    per_device.one_resource_device = lambda op: None
+    try:
+        yield
+    finally:
+        per_device.one_resource_device = saved
+
+
+def select_replica_fn(model, opt, global_batch, clip=CLIP):
+    """The branch-free guard (one device only): the update always made, then every
+    variable it wrote (weights, slots, iterations) put back where the step is not
+    finite, by a select; no branch, no host synchronisation, a copy of the state per step."""
+    variables = model.trainable_variables
+
+    def replica(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(per_example_loss(model, x, y))
+        grads, norm = tf.clip_by_global_norm(tape.gradient(loss, variables), clip)
+        finite = tf.math.is_finite(norm)
+        state = list(variables) + [v for v in opt.variables]
+        before = [tf.identity(v) for v in state]
+        with tf.control_dependencies(before):
+            opt.apply_gradients(zip(grads, variables))
+        for v, old in zip(state, before):
+            v.assign(tf.where(finite, tf.convert_to_tensor(v), old))
+    return replica
+
+
 def make(kind: str, strategy, build_model, global_batch: int) -> Step:
     """The step `kind` (see the module docstring and `KINDS`) for a fresh model."""
+    if kind == "dm_clip_lowered":
+        step = make("dm_clip", strategy, build_model, global_batch)
+        with lowered_guard():
+            step.run(1)  # traced now, with the guard lowered
+        return step
     with strategy.scope():
         model = build_model()
         batch = batch_for(model, global_batch, strategy)
-        if kind in ("hand_clip", "hand_clip_guard"):
+        if kind == "hand_clip_select":
+            opt = keras.optimizers.Adam(LR)
+            fn = select_replica_fn(model, opt, global_batch)
+        elif kind in ("hand_clip", "hand_clip_guard"):
             opt = disabled_all_reduce(keras.optimizers.Adam(LR))
             fn = hand_replica_fn(model, opt, global_batch, guard=kind == "hand_clip_guard")
         elif kind in ("keras", "keras_clip"):
@@ -192,6 +235,8 @@ KINDS = {
     "dm_noguard": "dist_minimize Adam, no clip, skip_nonfinite=False",
     "hand_clip": "hand-written correct step (one all_reduce, tf.clip_by_global_norm, Adam)",
     "hand_clip_guard": "hand_clip + skip of a non-finite step, agreed on every replica",
+    "hand_clip_select": "hand_clip + a branch-free skip: update always made, then undone by a select (one device)",
+    "dm_clip_lowered": "dm_clip with its guard traced as a lowered cond",
     "keras_clip": "stock Keras 3 Adam(global_clipnorm) (per-replica clip: wrong)",
     "keras": "stock Keras 3 Adam, no clip",
 }

@@ -237,15 +237,19 @@ def make_hand(name: str, strategy, build_model, global_batch: int):
 def docs_wrapper():
     """`WeightAverage`, the complete example of docs/writing-a-wrapper.md, imported from the
     page itself: a wrapper written from the docs, outside the package."""
+    import atexit
     import importlib.util
     import os
     import re
+    import shutil
     import tempfile
 
     doc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "writing-a-wrapper.md")
     text = open(doc).read()
     code = re.search(r"```python\n(.*?)```", text[text.index("## A complete example"):], re.S).group(1)
-    path = os.path.join(tempfile.mkdtemp(prefix="dm-bench-"), "docs_wrapper_example.py")
+    folder = tempfile.mkdtemp(prefix="dm-bench-")
+    atexit.register(shutil.rmtree, folder, True)  # kept while the process traces (AutoGraph reads it)
+    path = os.path.join(folder, "docs_wrapper_example.py")
     with open(path, "w") as f:
         f.write(code)  # AutoGraph reads the source from the file
     spec = importlib.util.spec_from_file_location("docs_wrapper_example", path)

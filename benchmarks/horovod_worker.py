@@ -21,33 +21,40 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dist_minimize as dm  # noqa: E402
-from benchmarks import _steps, _timing  # noqa: E402
+from benchmarks import _steps, _timing, _wrappers  # noqa: E402
+from benchmarks._wrappers import EMA_DECAY  # noqa: E402
 from benchmarks._steps import CLIP, LR  # noqa: E402
 from dist_minimize.aggregation.horovod import DEFAULT_BYTES_PER_PACK  # noqa: E402
 
 
 class HvdStep:
-    def __init__(self, kind, build_model, local_batch):
+    def __init__(self, kind, build_model, local_batch, average_class=None):
         self.traces = 0
         model = build_model()
         rng = np.random.default_rng(hvd.rank())
         x = tf.constant(rng.normal(size=(local_batch, *model.input_shape[1:])).astype("float32"))
         y = tf.constant(rng.normal(size=(local_batch, model.output_shape[-1])).astype("float32"))
         variables = model.trainable_variables
-        if kind.startswith("dm"):
+        uses_dm = kind.startswith("dm") or kind.endswith("_avg")
+        if uses_dm:
             opt = dm.Optimizer(keras.optimizers.Adam(LR), aggregate_gradients="horovod",
                                transform_gradients=dm.clip_by_global_norm(CLIP),
                                skip_nonfinite=kind != "dm_clip_noguard")
+            if kind == "builtin_avg":
+                opt = dm.MovingAverage(opt, average_decay=EMA_DECAY)
+            elif kind == "docs_avg":
+                opt = average_class(opt, decay=EMA_DECAY)
         else:
             opt = _steps.disabled_all_reduce(keras.optimizers.Adam(LR))
         opt.build(variables)
+        self.variables = variables
 
         @tf.function(jit_compile=False)
         def step():
             self.traces += 1
             with tf.GradientTape() as tape:
                 loss = tf.reduce_mean(_steps.per_example_loss(model, x, y))
-            if kind.startswith("dm"):
+            if uses_dm:
                 opt.minimize(loss, variables, tape=tape)
             else:
                 grads = hvd.grouped_allreduce(tape.gradient(loss, variables), op=hvd.Average)
@@ -55,10 +62,21 @@ class HvdStep:
                 if kind == "hand_clip_guard":  # skip a non-finite step (the norm is the same on every rank)
                     tf.cond(tf.math.is_finite(norm), lambda: opt.apply_gradients(zip(grads, variables)),
                             lambda: opt.iterations)
+                elif kind == "hand_clip_select":  # branch-free: update, then put back where not finite
+                    state = list(variables) + list(opt.variables)
+                    before = [tf.identity(v) for v in state]
+                    with tf.control_dependencies(before):
+                        opt.apply_gradients(zip(grads, variables))
+                    finite = tf.math.is_finite(norm)
+                    for v, old in zip(state, before):
+                        v.assign(tf.where(finite, tf.convert_to_tensor(v), old))
                 else:
                     opt.apply_gradients(zip(grads, variables))
 
         self._step, self._var = step, variables[0]
+        if kind == "dm_clip_lowered":
+            with _steps.lowered_guard():
+                self.run(1)  # traced now, with the guard lowered
 
     def run(self, n):
         for _ in range(n):
@@ -107,16 +125,33 @@ def main(argv):
     models = {"MLP 50 x Dense(128)": _steps.mlp(50, 128)}
     if not quick:
         models["MLP 10 x Dense(256)"] = _steps.mlp(10, 256)
-    results = {"np": hvd.size(), "steps": [], "aggregation": []}
+        models["MLP 200 x Dense(32)"] = _steps.mlp(200, 32)
+    results = {"np": hvd.size(), "steps": [], "aggregation": [], "custom": []}
+    kinds = ("dm_clip", "hand_clip", "hand_clip_guard", "dm_clip_noguard", "dm_clip_lowered", "hand_clip_select")
     for label, build in models.items():
-        variants = {k: HvdStep(k, build, 128) for k in ("dm_clip", "hand_clip", "hand_clip_guard", "dm_clip_noguard")}
+        variants = {k: HvdStep(k, build, 128) for k in kinds}
         t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
                               block_seconds=block, agree=agree)
         results["steps"].append({
-            "model": label, "local_batch": 128, "ms": {k: t.median_ms(k) for k in variants},
+            "model": label, "local_batch": 128, "variables": len(variants["dm_clip"].variables),
+            "ms": {k: t.median_ms(k) for k in variants},
             "ratio": t.ratio("dm_clip", "hand_clip").as_dict(),
             "ratio_guard": t.ratio("dm_clip", "hand_clip_guard").as_dict(),
             "ratio_noguard": t.ratio("dm_clip_noguard", "hand_clip").as_dict(),
+            "ratio_lowered": t.ratio("dm_clip_lowered", "hand_clip").as_dict(),
+            "ratio_select": t.ratio("hand_clip_select", "hand_clip").as_dict(),
+            "traces": {k: v.traces for k, v in variants.items()}})
+    average = _wrappers.docs_wrapper()
+    custom = {"MLP 10 x Dense(256)": _steps.mlp(10, 256)}
+    if not quick:
+        custom["MLP 50 x Dense(128)"] = _steps.mlp(50, 128)
+    for label, build in custom.items():  # section 8 under horovodrun
+        variants = {k: HvdStep(k, build, 128, average) for k in ("docs_avg", "builtin_avg")}
+        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
+                              block_seconds=block, agree=agree)
+        results["custom"].append({
+            "model": label, "variables": len(variants["docs_avg"].variables),
+            "ms": {k: t.median_ms(k) for k in variants}, "ratio": t.ratio("docs_avg", "builtin_avg").as_dict(),
             "traces": {k: v.traces for k, v in variants.items()}})
     count, size = (200, 1024) if quick else (200, 4096)
     variants = {"many": HvdAggregation(count, size), "one": HvdAggregation(1, count * size),
