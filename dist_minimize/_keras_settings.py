@@ -140,9 +140,14 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
         setting whose value breaks its rule (`RULES`, `check_setting`).
       TypeError: a setting that must be a number holds a string or another object.
     """
-    from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer, MovingAverage
-
     t = Translation()
+    _translate_clipping(optimizer, gradient_fns, t)
+    _translate_wrappers(optimizer, t)
+    return t
+
+
+def _translate_clipping(optimizer, gradient_fns: Sequence, t: Translation) -> None:
+    """clipnorm, clipvalue, global_clipnorm: clippers after aggregation."""
     name = type(optimizer).__name__
     clippers = clipper_classes()
     for setting in CLIP_SETTINGS:
@@ -162,6 +167,12 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
         t.parts.append(f"{setting}={value!r} -> transform_gradients += dist_minimize."
                        f"{_factory_name(setting)}({value!r}) (after aggregation, last)")
 
+
+def _translate_wrappers(optimizer, t: Translation) -> None:
+    """use_ema, gradient_accumulation_steps, loss_scale_factor: wrappers around the Optimizer."""
+    from dist_minimize.wrappers import GradientAccumulation, LossScaleOptimizer, MovingAverage
+
+    name = type(optimizer).__name__
     ema = bool(getattr(optimizer, "use_ema", False))
     steps = check_setting("gradient_accumulation_steps", getattr(optimizer, "gradient_accumulation_steps", None), name)
     scale = check_setting("loss_scale_factor", getattr(optimizer, "loss_scale_factor", None), name)
@@ -184,18 +195,15 @@ def translate(optimizer: keras.optimizers.Optimizer, gradient_fns: Sequence) -> 
                        f"dist_minimize.MovingAverage(average_decay={momentum!r}, start_step=1, "
                        f"overwrite_frequency={frequency!r}, assign_on_finalize=True) around it")
     if steps:
-        kwargs = dict(steps=steps)
-        t.wrappers.append((GradientAccumulation, kwargs))
+        t.wrappers.append((GradientAccumulation, dict(steps=steps)))
         t.disable["gradient_accumulation_steps"] = None
         t.parts.append(f"gradient_accumulation_steps={steps!r} -> dist_minimize.GradientAccumulation("
                        f"steps={steps!r}) around it")
     if scale is not None:
-        kwargs = dict(initial_scale=scale, dynamic=False)
-        t.wrappers.append((LossScaleOptimizer, kwargs))
+        t.wrappers.append((LossScaleOptimizer, dict(initial_scale=scale, dynamic=False)))
         t.disable["loss_scale_factor"] = None
         t.parts.append(f"loss_scale_factor={scale!r} -> dist_minimize.LossScaleOptimizer(initial_scale={scale!r}, "
                        "dynamic=False) around it (a non-finite step is skipped, not applied)")
-    return t
 
 
 def disable(optimizer: keras.optimizers.Optimizer, translation: Translation) -> None:

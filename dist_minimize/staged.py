@@ -270,22 +270,27 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
             top._apply_and_notify(grads_and_vars)
             return
         if distribute.uses_merge_call() and top._per_device_ok(grads_and_vars):
-            variables = [v for _, v in grads_and_vars]
-            _compat.check_variables_are_known(top.stack()[-1].inner_optimizer, variables)
-
-            def apply_on(index, grads):
-                with _per_device.on_device(index):
-                    top._apply_and_notify(list(zip(grads, variables)))
-
-            def skip_on(index):
-                with _per_device.on_device(index):
-                    top._notify_skipped()
-
-            distribute.run_if_per_device(condition, apply_on, args=([g for g, _ in grads_and_vars],),
-                                         otherwise=skip_on, updates=pending)
+            top._update_device_by_device(condition, grads_and_vars, pending)
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
                               otherwise=top._notify_skipped, updates=pending)
+
+    def _update_device_by_device(self, condition: tf.Tensor, grads_and_vars: list, pending: list) -> None:
+        """The guarded update under a merge-call strategy, one `If` per device
+        (`distribute.run_if_per_device`), each writing that device's copies."""
+        variables = [v for _, v in grads_and_vars]
+        _compat.check_variables_are_known(self.stack()[-1].inner_optimizer, variables)
+
+        def apply_on(index, grads):
+            with _per_device.on_device(index):
+                self._apply_and_notify(list(zip(grads, variables)))
+
+        def skip_on(index):
+            with _per_device.on_device(index):
+                self._notify_skipped()
+
+        distribute.run_if_per_device(condition, apply_on, args=([g for g, _ in grads_and_vars],),
+                                     otherwise=skip_on, updates=pending)
 
     def _per_device_ok(self, grads_and_vars: list) -> bool:
         """Whether this stack's update can be made device by device under a merge-call
