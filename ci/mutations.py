@@ -169,7 +169,7 @@ MUTATIONS = [
               "tests/unit/test_compat_canaries.py::"
               "test_horovodrun_servers_bind_through_find_port_and_the_runner_moves_them_to_loopback"]),
     Mutation("local-mpi-over-tcp", "a local mpirun job keeps Open MPI's TCP transport (it listens on every interface)",
-             "dist_minimize/launcher.py",
+             "dist_minimize/launch_plan.py",
              'LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader"))',
              'LOCAL_MPI_TRANSPORT = (("pml", "ob1"), ("btl", "self,vader,tcp"))',
              [f"{SECURITY}[mpirun]", "tests/unit/test_launcher_cluster.py::test_local_plans_bind_loopback"]),

@@ -15,16 +15,10 @@ import argparse
 import os
 import sys
 
-import importlib.util  # noqa: E402
+# The repository root, for a checkout where dist_minimize is not installed.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Load dist_minimize/launcher.py on its own: it needs no TensorFlow, so the launcher
-# starts at once instead of importing the whole package.
-_spec = importlib.util.spec_from_file_location(
-    "dist_minimize_launcher",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dist_minimize", "launcher.py"))
-_launcher = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_launcher)
-LAUNCHERS, launch = _launcher.LAUNCHERS, _launcher.launch
+from dist_minimize.launcher import LAUNCHERS, launch  # noqa: E402  (imports no TensorFlow)
 
 
 def main(argv=None) -> int:
