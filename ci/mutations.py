@@ -280,7 +280,7 @@ MUTATIONS = [
              [ONE_AGGREGATION]),
     Mutation("second-aggregation-allowed", "aggregate_gradients may run twice in one step",
              "dist_minimize/aggregation/once.py",
-             "    if len(_zones.STATE.aggregations) > 1:\n", "    if len(_zones.STATE.aggregations) > 2:\n",
+             "    if len(_zones.STATE.aggregations) > allowed:\n", "    if len(_zones.STATE.aggregations) > allowed + 1:\n",
              [ONE_AGGREGATION]),
     # Issue 23 (a layered package): what replaced imports of subclasses.
     Mutation("refuses-outside-ignored", "a wrapper's `refuses_outside` declaration is not read "

@@ -6,6 +6,7 @@ registers every serializable class with Keras.
 
 from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher, privacy  # noqa: F401
 from dist_minimize._compat import MissingDependencyError  # noqa: F401
+from dist_minimize._zones import ContractError  # noqa: F401
 from dist_minimize.fit import integrate  # noqa: F401
 from dist_minimize._finite import all_finite  # noqa: F401
 from dist_minimize.optimizer import Optimizer  # noqa: F401
@@ -30,6 +31,7 @@ from dist_minimize.wrappers import (  # noqa: F401
     GradientAccumulation,
     Lookahead,
     LossScaleOptimizer,
+    SAM,
     MovingAverage,
     update_batch_norm,
 )

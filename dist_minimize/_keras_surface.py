@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import _stages
+from dist_minimize import _stages, _zones
 
 # Keras optimizer settings that act per replica, before any aggregation: set on a
 # dist_minimize optimizer they would change nothing, so setting one is refused, naming
@@ -105,10 +105,14 @@ class KerasSurface:
                 raise RuntimeError(
                     f"{type(opt).__name__} overrides `get_gradients`, but Keras's `model.fit` never "
                     "calls it: it computes the gradients with its own tape and calls "
-                    "`apply_gradients`, so the override would be skipped without a word. Call "
-                    "`dist_minimize.integrate(model)` after `model.compile` (fit then runs every "
-                    "stage), train with a custom loop that calls `optimizer.minimize(loss, variables, "
-                    "tape=tape)`, or move the change into `transform_unaggregated_gradients`.")
+                    "`apply_gradients`, so the override would be skipped without a word. Routes that "
+                    "work: (1) `dist_minimize.integrate(model)` after `model.compile`: fit then runs every "
+                    "stage, and `get_gradients` receives `loss_fn` (the compiled loss on this batch, for a "
+                    "stage that evaluates the loss again); (2) a `train_step` of your own that calls "
+                    "`self.optimizer.minimize(loss, self.trainable_variables, tape=tape, loss_fn=...)` "
+                    "(without `integrate`); (3) a custom loop calling `optimizer.minimize(loss_fn, "
+                    "variables)`; (4) for a change of the gradients alone, "
+                    "`transform_unaggregated_gradients` instead of `get_gradients`.")
             opt = getattr(opt, "wrapped", None)
         if not tf.is_tensor(loss):  # Keras's own accepts a Python number
             loss = tf.convert_to_tensor(loss, dtype=keras.backend.floatx() if isinstance(loss, (int, float)) else None)
@@ -151,6 +155,15 @@ class KerasSurface:
                     f"({type(rule).__name__}); setting it here would change nothing. Set it there: "
                     f"`optimizer.stack()[-1].inner_optimizer.{name} = ...`. Received: {name}={value!r} on "
                     f"{type(self).__name__}")
+        if _zones.STATE.aggregations is not None and getattr(self, "built", False) and _per_call(value):
+            raise _zones.ContractError(
+                f"`{type(self).__name__}.{name}` was set during a step to {_describe(value)}. One optimizer "
+                "object serves every replica: under MirroredStrategy each replica runs the step in its own "
+                "thread on this same object, so a value kept on `self` between stages is another replica's "
+                "by the time it is read (the wrapper contract, docs/writing-a-wrapper.md). Pass it along "
+                "instead: `get_gradients` receives `loss_fn`, every stage receives its gradients; keep "
+                "state that must outlive the step in variables (`add_variable`, `add_slot`). Received: "
+                f"{name}={value!r}")
         super().__setattr__(name, value)
 
     def _dm_update_rule(self):
@@ -241,3 +254,23 @@ class KerasSurface:
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Not supported: dist_minimize optimizers are stateful (TensorFlow backend)."""
         raise ValueError("dist_minimize optimizers are stateful (TensorFlow backend only).")
+
+
+def _per_call(value) -> bool:
+    """Whether `value` belongs to one call of a step (a tensor, a function), judged by what
+    holds it: tensors and plain functions, also inside lists, tuples and dicts."""
+    import types
+
+    if isinstance(value, (tf.Variable, keras.Variable)):
+        return False
+    if tf.is_tensor(value) or isinstance(value, (types.FunctionType, types.MethodType)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return any(_per_call(v) for v in value)
+    if isinstance(value, dict):
+        return any(_per_call(v) for v in value.values())
+    return False
+
+
+def _describe(value) -> str:
+    return "a function" if callable(value) and not tf.is_tensor(value) else "a value of this call (a tensor)"

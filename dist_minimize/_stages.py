@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import tensorflow as tf
@@ -171,3 +172,21 @@ def check_stage_output(stage: str, before: list, after: Any) -> list:
                 f"`{variable_name(v)}` of shape {tuple(v.shape)}."
             )
     return after
+
+
+def takes_loss_fn(method: Callable) -> bool:
+    """Whether a `get_gradients` accepts the `loss_fn` keyword (overrides written before it
+    existed take three arguments, and keep working: they are called without it)."""
+    try:
+        params = inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+    return "loss_fn" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def get_gradients(optimizer, loss, variables, tape, loss_fn) -> list:
+    """`optimizer.get_gradients(loss, variables, tape, loss_fn=loss_fn)`, without
+    `loss_fn` for an override that does not take it."""
+    if takes_loss_fn(optimizer.get_gradients):
+        return optimizer.get_gradients(loss, variables, tape, loss_fn=loss_fn)
+    return optimizer.get_gradients(loss, variables, tape)

@@ -24,6 +24,12 @@ class AggregationError(RuntimeError):
     __init__ = Exception.__init__
 
 
+class ContractError(RuntimeError):
+    """A wrapper broke a rule of the wrapper contract (docs/writing-a-wrapper.md)."""
+
+    __init__ = Exception.__init__
+
+
 class Zone:
     """One watched part of a step: what it is, its planned collectives, whether it forbids
     them, and the fix its error names."""
@@ -36,7 +42,8 @@ class Zone:
 class _State(threading.local):
     def __init__(self):
         self.zones: list[Zone] = []
-        self.aggregations: list[str] | None = None
+        self.aggregations: list[str] | None = None  # inside a step: its aggregations so far
+        self.allowed: int = 1  # and how many it may make
 
 
 STATE = _State()

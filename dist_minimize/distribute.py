@@ -239,6 +239,31 @@ def assign_replicated(variable, value) -> None:
         variable.assign(value)
 
 
+def assign_local(pairs: Sequence) -> None:
+    """Writes each replica's own value into its own copy of each variable, now.
+
+    For a stage that changes the model's variables inside a step and puts them back
+    (SAM's perturbation): `pairs` are (variable, value) with this replica's value; the
+    values may differ between replicas. Under a merge-call strategy that is one
+    synchronisation of the replicas (a `merge_call`, no collective) after which each
+    device's copy holds its replica's value; elsewhere (one device, each Horovod process)
+    plain assigns. Reads later in the step see the new values.
+    """
+    pairs = [(v, tf.convert_to_tensor(x)) for v, x in pairs]
+    ctx = _merge_call_replica_context()
+    if ctx is None:
+        for variable, value in pairs:
+            variable.assign(value)
+        return
+
+    def cross(strategy, values):
+        for (variable, _), value in zip(pairs, values):
+            target = variable.value if isinstance(variable, keras.Variable) else variable
+            strategy.extended.update(target, lambda copy, x: copy.assign(x), args=(value,), group=False)
+
+    ctx.merge_call(cross, args=([value for _, value in pairs],))
+
+
 def _assign_first(strategy, pairs: Sequence, values) -> None:
     for (variable, _), value in zip(pairs, values):
         variable.assign(strategy.experimental_local_results(value)[0])

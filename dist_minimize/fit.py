@@ -61,6 +61,14 @@ def integrate(model: keras.Model) -> keras.Model:
             "`integrate(model)` needs a model compiled with a dist_minimize optimizer: call "
             "`model.compile(optimizer=dist_minimize.Optimizer(...), ...)` first. Received: "
             f"optimizer={type(optimizer).__name__ if optimizer is not None else None}")
+    own = _own_train_step(model)
+    if own is not None:
+        raise ValueError(
+            f"{own} defines its own `train_step`, which `integrate` would replace. Keep yours and call the "
+            "optimizer from it: `self.optimizer.minimize(loss, self.trainable_variables, tape=tape, "
+            "loss_fn=...)` (every stage runs; `loss_fn`, a zero-argument function that computes this "
+            "batch's loss again, lets `get_gradients` evaluate the loss again, as SAM does), and do not "
+            f"call `integrate`. Received: model={model.name!r}")
     with model.distribute_strategy.scope():
         blocker = steps_per_execution_blocker(model)
     if blocker:
@@ -70,14 +78,7 @@ def integrate(model: keras.Model) -> keras.Model:
     multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     if multi_worker:
         _compat.build_from_local_batch(model)
-
-        def step(self, data):
-            # Keras reduces fit's logs under MultiWorkerMirroredStrategy with
-            # strategy.reduce("MEAN", value, axis=0), which fails for the scalar metric
-            # results a train step returns; a one-element vector reduces to their mean.
-            return tf.nest.map_structure(_as_vector, train_step(self, data))
-
-        model.train_step = types.MethodType(step, model)
+        model.train_step = types.MethodType(_multi_worker_step, model)
     else:
         model.train_step = types.MethodType(train_step, model)
     if model.jit_compile:
@@ -88,6 +89,19 @@ def integrate(model: keras.Model) -> keras.Model:
                            model.name, "; ".join(reasons))
             model.jit_compile = False
     return model
+
+
+def _own_train_step(model: keras.Model) -> str | None:
+    """Where `model`'s own `train_step` is defined (a class below keras.Model, or this
+    object), or None for Keras's own or the one `integrate` installed."""
+    step = model.__dict__.get("train_step")
+    if step is not None:
+        installed = getattr(step, "__func__", None) in (train_step, _multi_worker_step)
+        return None if installed else f"The model {model.name!r}"
+    for cls in type(model).__mro__:
+        if "train_step" in cls.__dict__:
+            return None if cls.__module__.startswith("keras") else f"{cls.__module__}.{cls.__qualname__}"
+    return None
 
 
 def steps_per_execution_blocker(model: keras.Model) -> str | None:
@@ -120,6 +134,13 @@ def steps_per_execution_blocker(model: keras.Model) -> str | None:
             f"under this strategy. Received: steps_per_execution={steps} for model {model.name!r}")
 
 
+def _multi_worker_step(model: keras.Model, data) -> dict:
+    # Keras reduces fit's logs under MultiWorkerMirroredStrategy with
+    # strategy.reduce("MEAN", value, axis=0), which fails for the scalar metric results
+    # a train step returns; a one-element vector reduces to their mean.
+    return tf.nest.map_structure(_as_vector, train_step(model, data))
+
+
 def _as_vector(value):
     value = tf.convert_to_tensor(value)
     return tf.reshape(value, [1]) if value.shape.rank == 0 else value
@@ -137,8 +158,12 @@ def train_step(model: keras.Model, data) -> dict:
         y_pred = _compat.call_training(model, x)
         loss = _compat.compute_loss(model, x, y, y_pred, sample_weight)
     _compat.track_loss(model, loss, x)
+
+    def loss_fn():  # this replica's batch, the compiled loss, a fresh forward pass
+        return _compat.compute_loss(model, x, y, _compat.call_training(model, x), sample_weight)
+
     if model.trainable_variables:
-        model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
+        model.optimizer.minimize(loss, model.trainable_variables, tape=tape, loss_fn=loss_fn)
     return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
 

@@ -56,13 +56,23 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         Runs inside the gradient tape. Must return a scalar tensor.
         """
 
-    def get_gradients(self, loss: tf.Tensor, variables: Sequence[tf.Variable], tape: tf.GradientTape) -> list:
+    def get_gradients(self, loss: tf.Tensor, variables: Sequence[tf.Variable], tape: tf.GradientTape,
+                      loss_fn: Callable[[], tf.Tensor] | None = None) -> list:
         """Returns `[(gradient, variable), ...]` of `loss` w.r.t. `variables`.
 
         Args:
           loss: the transformed per-replica loss.
           variables: the variables to differentiate against.
           tape: the `tf.GradientTape` that recorded `loss`.
+          loss_fn: where the loss is available as a function (a callable given to
+            `minimize`, or `minimize(..., loss_fn=...)`, as `dist_minimize.integrate`
+            does under `fit`): a zero-argument callable that evaluates this replica's
+            loss again at the variables' current values, transformed as `loss` was
+            (`transform_loss` of the whole stack). Record it with a tape of your own.
+            None where the loss is only a tensor. It belongs to this call (this replica,
+            this step): use it here, never keep it on `self` (one optimizer object
+            serves every replica thread). An override written without this argument
+            keeps working: it is called without it.
 
         Returns:
           One pair per variable, in order; a gradient is `None` where `loss` does not
@@ -98,18 +108,28 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
 
     # -- drivers -----------------------------------------------------------------------
 
+    #: How many times more than once this optimizer's own stages call
+    #: `aggregate_gradients` in one step, on purpose (SAM aggregates the gradient it
+    #: perturbs the weights along: 1). The step's check allows once plus the sum over the
+    #: stack, and raises `AggregationError` beyond.
+    extra_aggregations: int = 0
+
     def minimize(self, loss: tf.Tensor | Callable[[], tf.Tensor], variables: Sequence[tf.Variable],
-                 tape: tf.GradientTape | None = None, decay_var_list: Sequence | None = None) -> tf.Variable:
+                 tape: tf.GradientTape | None = None, decay_var_list: Sequence | None = None,
+                 loss_fn: Callable[[], tf.Tensor] | None = None) -> tf.Variable:
         """Runs all six stages: one optimisation step of `loss` over `variables`.
 
         Args:
           loss: a scalar tensor recorded by `tape`, or a zero-argument callable that
-            computes it (then `tape` is optional).
+            computes it (then `tape` is optional, and `get_gradients` may call it again).
           variables: the variables to update.
           tape: the `tf.GradientTape` that recorded a tensor `loss`.
           decay_var_list: with a `DecoupledWeightDecay` in the stack, the variables it
             decays in this step (instead of its default choice). Inside `tf.function`,
             the choice made when the function was traced is the one it keeps.
+          loss_fn: with a tensor `loss`, a zero-argument callable that computes it again
+            (what `dist_minimize.integrate` passes under `fit`), for a `get_gradients`
+            that evaluates the loss again (`dist_minimize.SAM`).
 
         Returns:
           The iterations counter.
@@ -120,27 +140,29 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         """
         if decay_var_list is not None:
             with self._decaying_step(decay_var_list):
-                return self.minimize(loss, variables, tape=tape)
+                return self.minimize(loss, variables, tape=tape, loss_fn=loss_fn)
         variables = list(variables)
         if not self.built:  # the stages may use the optimizer's state from the first one on
             self._build_on_first_use(variables)
         if callable(loss):
-            tape = tape if tape is not None else tf.GradientTape()
+            loss, loss_fn, tape = None, loss, tape if tape is not None else tf.GradientTape()
+        elif tape is None:
+            raise ValueError(
+                "`tape` is required when `loss` is a tensor: pass the `tf.GradientTape` that computed it, or "
+                f"pass `loss` as a zero-argument callable. Received: loss={loss!r}, tape=None")
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"`loss_fn` must be a zero-argument callable. Received: loss_fn={loss_fn!r}")
+        with once.step(self._aggregations_allowed()):
             with tape:
-                value = self.transform_loss(loss())
-        else:
-            if tape is None:
-                raise ValueError(
-                    "`tape` is required when `loss` is a tensor: pass the "
-                    "`tf.GradientTape` that computed it, or pass `loss` as a "
-                    f"zero-argument callable. Received: loss={loss!r}, tape=None"
-                )
-            with tape:
-                value = self.transform_loss(loss)
-        before = [(None, v) for v in variables]
-        grads_and_vars = _stages.check_stage_output(
-            "get_gradients", before, self.get_gradients(value, variables, tape))
-        return self.apply_gradients(grads_and_vars)
+                value = self.transform_loss(loss if loss is not None else loss_fn())
+            again = (lambda: self.transform_loss(loss_fn())) if loss_fn is not None else None
+            grads_and_vars = _stages.check_stage_output(
+                "get_gradients", [(None, v) for v in variables],
+                _stages.get_gradients(self, value, variables, tape, again))
+            return self.apply_gradients(grads_and_vars)
+
+    def _aggregations_allowed(self) -> int:
+        return 1 + sum(int(opt.extra_aggregations) for opt in self.stack())
 
     def apply_gradients(self, grads_and_vars: Iterable, aggregate: bool = True,
                         decay_var_list: Sequence | None = None) -> tf.Variable:
@@ -258,7 +280,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
                 "the strategy synchronises its replicas through merge_call, and TensorFlow cannot "
                 "compile such a step (stock Keras fails at run time: 'Trying to access resource ... "
                 "located in device ...'); Keras's own default under a strategy is jit_compile=False")
-        with distribute.deferred_updates() as pending, once.step():
+        with distribute.deferred_updates() as pending, once.step(top._aggregations_allowed()):
             if aggregate:
                 grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)

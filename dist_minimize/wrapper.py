@@ -8,7 +8,7 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
+from dist_minimize import _compat, _stages
 from dist_minimize._stages import variable_name
 from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
@@ -101,9 +101,9 @@ class OptimizerWrapper(StagedOptimizer):
         """Delegates to the wrapped optimizer."""
         return self.wrapped.transform_loss(loss)
 
-    def get_gradients(self, loss, variables, tape):
+    def get_gradients(self, loss, variables, tape, loss_fn=None):
         """Delegates to the wrapped optimizer."""
-        return self.wrapped.get_gradients(loss, variables, tape)
+        return _stages.get_gradients(self.wrapped, loss, variables, tape, loss_fn)
 
     get_gradients._dm_default_stage = True  # delegation, not an override (see `scale_loss`)
 

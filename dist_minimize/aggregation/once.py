@@ -170,27 +170,40 @@ def planned(plan: int | None, what: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def step() -> Iterator[None]:
-    """One step's stages: `aggregate_gradients` may run once inside (`note_aggregation`)."""
-    previous, _zones.STATE.aggregations = _zones.STATE.aggregations, []
+def step(allowed: int = 1) -> Iterator[None]:
+    """One step: `aggregate_gradients` may run `allowed` times inside (`note_aggregation`):
+    once, plus the extra aggregations the stack's optimizers declare
+    (`StagedOptimizer.extra_aggregations`). A step opened inside another is part of it."""
+    if _zones.STATE.aggregations is not None:
+        yield
+        return
+    _zones.STATE.aggregations, _zones.STATE.allowed = [], allowed
     try:
         yield
     finally:
-        _zones.STATE.aggregations = previous
+        _zones.STATE.aggregations, _zones.STATE.allowed = None, 1
+
+
+def in_step() -> bool:
+    """Whether this thread is inside a step's stages (`step`)."""
+    return _zones.STATE.aggregations is not None
 
 
 def note_aggregation(what: str) -> None:
     """Records that `what` aggregates this step's gradients.
 
     Raises:
-      AggregationError: the step's gradients were aggregated already.
+      AggregationError: the step's gradients were aggregated as many times as declared.
     """
     if _zones.STATE.aggregations is None:
         return
     _zones.STATE.aggregations.append(what)
-    if len(_zones.STATE.aggregations) > 1:
+    allowed = _zones.STATE.allowed
+    if len(_zones.STATE.aggregations) > allowed:
         raise AggregationError(
             f"`aggregate_gradients` ran {len(_zones.STATE.aggregations)} times in one step "
-            f"({', '.join(_zones.STATE.aggregations)}): the gradients would be aggregated twice. A stage "
-            "must not call `aggregate_gradients` again; reduce other values with "
+            f"({', '.join(_zones.STATE.aggregations)}), {allowed} declared: the gradients would be aggregated "
+            "again. A stage that aggregates other gradients on purpose (SAM aggregates the gradient it "
+            "perturbs the weights along) declares it: `extra_aggregations = 1` on its class (docs/"
+            "writing-a-wrapper.md, the wrapper contract); reduce other values with "
             "`dist_minimize.distribute.sum_across`.")
