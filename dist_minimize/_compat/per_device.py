@@ -113,10 +113,12 @@ def unlowered_cond(pred: tf.Tensor, true_fn, false_fn) -> bool:
     first = len(graph.get_operations())
     tf.cond(pred, true_fn, false_fn)
     made = [op for op in graph.get_operations()[first:] if op.type in ("If", "StatelessIf")]
-    if len(made) != 1 or "_lower_using_switch_merge" not in made[0].node_def.attr:
+    if len(made) != 1:
         raise RuntimeError(
             f"This TensorFlow ({tf.__version__}) builds tf.cond differently ({[op.type for op in made]}); "
             "dist_minimize cannot keep its update in one op. Supported: TensorFlow 2.16-2.21.")
+    if "_lower_using_switch_merge" not in made[0].node_def.attr:
+        return False  # a cond TensorFlow does not lower anyway (inside an XLA-compiled function)
     device = one_resource_device(made[0])
     if device is None or ops_without_kernel(made[0], device.device_type):
         return False
