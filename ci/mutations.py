@@ -28,19 +28,70 @@ import time
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MIRRORED = "tests/distributed/test_mirrored.py"
-MULTIWORKER = "tests/distributed/test_multiworker.py"
-HOROVOD = "tests/distributed/test_horovod.py"
-PROCESSES = "tests/distributed/test_processes.py"
+D = "tests/distributed"
+PARITY = f"{D}/test_parity.py"
+AGREEMENT = f"{D}/test_agreement.py"
+WRAPPER_PARITY = f"{D}/test_wrapper_parity.py"
+ONE_AGGREGATION_FILE = f"{D}/test_one_aggregation.py"
+BACKEND_OPTIONS = f"{D}/test_backend_options.py"
+LIFECYCLE = f"{D}/test_process_lifecycle.py"
 SECURITY = "tests/distributed/test_security.py::test_a_local_job_listens_on_loopback_only"
-HOROVOD_PARITY = f"{HOROVOD}::test_parity_with_single_device"
-DP_NOISE = f"{MIRRORED}::test_differential_privacy_noise_does_not_grow_with_replicas"
-MIRRORED_INPROCESS = "tests/distributed/test_mirrored_inprocess.py"
+# Tests run with the strategy as a parameter ("mirrored-2", "multiworker", "horovod-gloo",
+# ...): a test id names every strategy's cases, or one parameter ("...[mirrored-eager-0]").
+STRATEGY_PARITY = f"{PARITY}::test_matches_single_device"
+# What tests/distributed/test_mirrored.py held (the MirroredStrategy worker jobs, 2 and 4 replicas).
+MIRRORED = [STRATEGY_PARITY, f"{PARITY}::test_matches_stock_keras_on_one_device",
+            f"{PARITY}::test_keras_global_clipnorm_anchor_does_not_match",
+            f"{ONE_AGGREGATION_FILE}::test_exactly_one_collective_per_step",
+            f"{WRAPPER_PARITY}::test_weight_wrappers_match_single_device",
+            f"{WRAPPER_PARITY}::test_differential_privacy_matches_single_device",
+            f"{WRAPPER_PARITY}::test_differential_privacy_noise_does_not_grow_with_replicas"]
+# What tests/distributed/test_multiworker.py held (the multiworker parity job).
+MULTIWORKER = [STRATEGY_PARITY, f"{PARITY}::test_matches_stock_keras_on_one_device",
+               f"{PARITY}::test_keras_fit_fails_in_its_trainer_under_multiworker",
+               f"{AGREEMENT}::test_processes_hold_identical_weights",
+               f"{AGREEMENT}::test_inf_on_one_replica_or_process_is_skipped_by_all",
+               f"{WRAPPER_PARITY}::test_accumulation_matches_one_device_with_one_aggregation_per_update"]
+HOROVOD_PARITY = STRATEGY_PARITY
+HOROVOD_ONE_ALLREDUCE = f"{ONE_AGGREGATION_FILE}::test_exactly_one_collective_per_step"
+DP_NOISE = f"{WRAPPER_PARITY}::test_differential_privacy_noise_does_not_grow_with_replicas"
+DP_PARITY = f"{WRAPPER_PARITY}::test_differential_privacy_matches_single_device"
+# What tests/distributed/test_mirrored_inprocess.py held (MirroredStrategy in the test process).
+MIRRORED_INPROCESS = [
+    f"{D}/test_guarded_update.py",
+    *(f"{AGREEMENT}::{t}" for t in ("test_nonfinite_on_one_replica_is_skipped_by_all",
+                                    "test_loss_scaling_with_mixed_precision_fit_keeps_replicas_identical",
+                                    "test_consistency_check_passes_in_sync_and_catches_a_planted_divergence",
+                                    "test_consistency_check_catches_gradients_that_differ_at_that_step",
+                                    "test_distribute_helpers_across_two_replicas",
+                                    "test_run_if_check_refuses_a_condition_that_differs_across_replicas")),
+    *(f"{AGREEMENT}::test_inf_on_one_replica_or_process_is_skipped_by_all[mirrored-{f}-{bad}]"
+      for f in ("eager", "traced") for bad in (0, 1)),
+    *(f"{WRAPPER_PARITY}::test_accumulation_matches_one_device_with_one_aggregation_per_update[mirrored-{m}-{k}]"
+      for m in ("fit", "eager") for k in (1, 2, 4)),
+    f"{D}/test_resume.py::test_accumulation_resumes_exactly[mirrored]",
+    f"{PARITY}::test_embedding_sparse_gradients_match_single_device[mirrored-sparse]",
+    f"{PARITY}::test_mixed_dtype_variables_are_aggregated_and_match_single_device",
+    f"{D}/test_refused_with_the_fix.py::test_xla_fit_is_refused_with_the_fix_and_integrate_turns_it_off[mirrored]",
+    f"{ONE_AGGREGATION_FILE}::test_horovod_backend_inside_a_strategy_is_refused"]
 MIRRORED_PERDEVICE = "tests/unit/test_compat_canaries.py::test_keras_apply_on_device_makes_the_writes_of_keras_apply"
-DP_NOISE_HOROVOD = f"{HOROVOD}::test_differential_privacy_noise_under_horovod"
-ONE_AGGREGATION = "tests/distributed/test_one_aggregation.py"
-EVERY_RULE = "tests/distributed/test_every_keras_optimizer.py"
+# The in-process tests of test_one_aggregation.py (its job-reading tests are named above).
+ONE_AGGREGATION = [f"{ONE_AGGREGATION_FILE}::{t}" for t in (
+    "test_multioptimizer_in_the_full_wrapper_stack_matches_one_device", "test_multioptimizer_alone_matches_one_device",
+    "test_every_reachable_keras_optimizer_is_neutralised", "test_an_update_rule_that_aggregates_again_is_refused",
+    "test_a_step_hook_that_synchronises_is_refused_naming_it", "test_a_stage_that_aggregates_again_is_refused",
+    "test_an_aggregator_that_breaks_its_plan_is_refused", "test_mixed_dtypes_plan_one_all_reduce_per_dtype")]
+EVERY_RULE = "tests/distributed/test_keras_parity.py::test_every_keras_rule_matches_one_device"
 
+
+def tests(*groups) -> list[str]:
+    """The test ids of `groups` (ids, or lists of ids), each once, in order."""
+    out: list[str] = []
+    for g in groups:
+        for t in ([g] if isinstance(g, str) else g):
+            if t not in out:
+                out.append(t)
+    return out
 
 @dataclass
 class Mutation:
@@ -61,7 +112,7 @@ MUTATIONS = [
     Mutation("strategy-mean", "strategy backend reduces with MEAN instead of SUM",
              "dist_minimize/aggregation/strategy.py",
              "out = ctx.all_reduce(tf.distribute.ReduceOp.SUM,", "out = ctx.all_reduce(tf.distribute.ReduceOp.MEAN,",
-             [MIRRORED, MULTIWORKER]),
+             tests(MIRRORED, MULTIWORKER)),
     Mutation("horovod-sum", "Horovod backend uses Sum instead of Average",
              "dist_minimize/aggregation/horovod.py",
              '            kwargs["op"] = hvd.Average', '            kwargs["op"] = hvd.Sum',
@@ -71,30 +122,30 @@ MUTATIONS = [
              '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
              '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
              '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
-             [MIRRORED, MULTIWORKER, HOROVOD_PARITY, f"{HOROVOD}::test_one_grouped_allreduce_per_step"]),
+             tests(MIRRORED, MULTIWORKER, HOROVOD_PARITY, HOROVOD_ONE_ALLREDUCE)),
     Mutation("keras-all-reduce-kept", "the inner Keras optimizer's own all-reduce is left on (two aggregations)",
              "dist_minimize/_compat/__init__.py",
              "    optimizer._all_reduce_sum_gradients = _identity_grads_and_vars",
              "    pass",
-             [MIRRORED, MULTIWORKER]),
+             tests(MIRRORED, MULTIWORKER)),
     Mutation("strategy-reduce-twice", "the strategy backend all-reduces the gradients twice",
              "dist_minimize/aggregation/strategy.py",
              "            for i, r in zip(indices, out):\n",
              "            out = ctx.all_reduce(tf.distribute.ReduceOp.SUM, out, options=self.options)\n"
              "            for i, r in zip(indices, out):\n",
-             [MIRRORED, MULTIWORKER]),
+             tests(MIRRORED, MULTIWORKER)),
     Mutation("horovod-reduce-twice", "the Horovod backend runs its grouped allreduce twice",
              "dist_minimize/aggregation/horovod.py",
              "            reduced_buffers = hvd.grouped_allreduce(buffers, **self._allreduce_kwargs(size))\n",
              "            reduced_buffers = hvd.grouped_allreduce(buffers, **self._allreduce_kwargs(size))\n"
              "            reduced_buffers = hvd.grouped_allreduce(list(reduced_buffers), **self._allreduce_kwargs(size))\n",
-             [HOROVOD_PARITY, f"{HOROVOD}::test_one_grouped_allreduce_per_step",
-              f"{HOROVOD}::test_sum_reduction_with_global_batch_loss"]),
+             [HOROVOD_PARITY, HOROVOD_ONE_ALLREDUCE,
+              f"{BACKEND_OPTIONS}::test_sum_reduction_with_global_batch_loss"]),
     Mutation("horovod-unpack-inputs", "the Horovod backend cuts its packed buffers back from the inputs, not the reduced",
              "dist_minimize/aggregation/horovod.py",
              "            out = packing.unpack(reduced_buffers, spec)\n",
              "            out = packing.unpack(buffers, spec)\n",
-             [HOROVOD_PARITY, f"{HOROVOD}::test_packed_and_unpacked_aggregation_agree"]),
+             [HOROVOD_PARITY, f"{BACKEND_OPTIONS}::test_packed_and_unpacked_aggregation_agree"]),
     Mutation("pack-misplaces", "packing puts the cut-back tensors in the wrong positions",
              "dist_minimize/aggregation/packing.py",
              "        for i, piece in zip(group, pieces):\n",
@@ -103,16 +154,16 @@ MUTATIONS = [
     Mutation("predivide-no-postscale", "gradient_predivide_factor: the post-scaling is dropped",
              "dist_minimize/aggregation/horovod.py",
              '            kwargs["postscale_factor"] = self.gradient_predivide_factor / size\n', "",
-             [f"{HOROVOD}::test_predivide_factor_keeps_the_average"]),
+             [f"{BACKEND_OPTIONS}::test_predivide_factor_keeps_the_average"]),
     Mutation("predivide-no-prescale", "gradient_predivide_factor: the pre-scaling is dropped",
              "dist_minimize/aggregation/horovod.py",
              '            kwargs["prescale_factor"] = 1.0 / self.gradient_predivide_factor\n', "",
-             [f"{HOROVOD}::test_predivide_factor_keeps_the_average"]),
+             [f"{BACKEND_OPTIONS}::test_predivide_factor_keeps_the_average"]),
     Mutation("fp16-skipped", "compression='fp16' silently sends float32",
              "dist_minimize/aggregation/horovod.py",
              'hvd.Compression.fp16 if self.compression == "fp16" else hvd.Compression.none',
              "hvd.Compression.none",
-             [f"{HOROVOD}::test_fp16_compression_within_its_bound_and_not_skipped"]),
+             [f"{BACKEND_OPTIONS}::test_fp16_compression_within_its_bound_and_not_skipped"]),
     Mutation("clip-before-aggregation", "transform_gradients (the clipper) runs before aggregation",
              "dist_minimize/staged.py",
              '            if aggregate:\n'
@@ -121,31 +172,30 @@ MUTATIONS = [
              '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
              '            if aggregate:\n'
              '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
-             [MIRRORED, MULTIWORKER, HOROVOD_PARITY]),
+             tests(MIRRORED, MULTIWORKER, HOROVOD_PARITY)),
     Mutation("dp-noise-before-aggregation", "DifferentialPrivacy adds its noise on each replica before aggregation",
              "dist_minimize/wrappers/privacy.py",
              ('    def transform_gradients(self, grads_and_vars):\n        """Adds the noise, once,',
               "        return super().transform_gradients(grads_and_vars)\n\n    def _add_noise"),
              ('    def transform_unaggregated_gradients(self, grads_and_vars):\n        """Adds the noise, once,',
               "        return super().transform_unaggregated_gradients(grads_and_vars)\n\n    def _add_noise"),
-             [DP_NOISE, DP_NOISE_HOROVOD]),
+             [DP_NOISE]),  # (every strategy's: MirroredStrategy 2 and 4, Horovod)
     Mutation("dp-noise-local-count", "the noise is divided by the local, not the global, number of microbatches",
              "dist_minimize/wrappers/privacy.py",
              "        microbatches = tf.cast(count, tf.float32) * float(distribute.num_replicas())\n",
              "        microbatches = tf.cast(count, tf.float32)\n",
-             [DP_NOISE, DP_NOISE_HOROVOD]),
+             [DP_NOISE]),  # (every strategy's: MirroredStrategy 2 and 4, Horovod)
     Mutation("dp-gradient-local-count", "the clipped sum is divided by the local, not the global, number of microbatches",
              "dist_minimize/wrappers/privacy.py",
              "        divisor = tf.cast(self._step.microbatches, tf.float32) * float(distribute.strategy_replicas())\n",
              "        divisor = tf.cast(self._step.microbatches, tf.float32)\n",
-             [f"{MIRRORED}::test_differential_privacy_matches_single_device",
-              f"{HOROVOD}::test_differential_privacy_matches_one_device"]),
+             [DP_PARITY]),  # (MirroredStrategy 2 and 4, Horovod)
     Mutation("dp-noise-per-replica-seed", "each replica draws its own noise (the replica id folded into the seed)",
              "dist_minimize/wrappers/privacy.py",
              "seed=tf.random.experimental.stateless_fold_in(seed, i),",
              "seed=tf.random.experimental.stateless_fold_in(seed, i + 1000 * "
              "tf.distribute.get_replica_context().replica_id_in_sync_group),",
-             [DP_NOISE, f"{MIRRORED}::test_differential_privacy_matches_single_device"]),
+             [DP_NOISE, DP_PARITY]),
     Mutation("dp-draws-not-advanced", "the noise draw counter is not advanced (the same noise every step)",
              "dist_minimize/wrappers/privacy.py",
              "        distribute.assign_replicated(self._noise_draws, tf.convert_to_tensor(self._noise_draws) + 1)\n",
@@ -161,7 +211,7 @@ MUTATIONS = [
              ("    except BaseException:\n        _stop(procs, tree)\n        raise\n",
               "    except BaseException:\n        _stop(procs)\n        raise\n"),
              ("    except BaseException:\n        raise\n", "    except BaseException:\n        raise\n"),
-             [f"{PROCESSES}::test_no_worker_survives_an_exception_in_the_supervisor"]),
+             [f"{LIFECYCLE}::test_no_worker_survives_an_exception_in_the_supervisor"]),
     Mutation("rendezvous-every-interface", "a local horovodrun's rendezvous server binds every interface",
              "dist_minimize/_compat_runner.py",
              "return server_factory((LOOPBACK, port)), port", 'return server_factory(("", port)), port',
@@ -177,32 +227,32 @@ MUTATIONS = [
              "dist_minimize/_compat/per_device.py",
              "    if optimizer.weight_decay is not None:\n        for variable in local:",
              "    if False:\n        for variable in local:",
-             [MIRRORED_PERDEVICE, f"{MIRRORED}::test_matches_single_device"]),
+             [MIRRORED_PERDEVICE, STRATEGY_PARITY]),
     Mutation("per-device-no-iterations", "the per-device guarded update does not count the iteration",
              "dist_minimize/_compat/per_device.py",
              "    strategy.experimental_local_results(optimizer.iterations.value)[index].assign_add(1)",
              "    pass",
-             [MIRRORED_PERDEVICE, MIRRORED_INPROCESS]),
+             tests(MIRRORED_PERDEVICE, MIRRORED_INPROCESS)),
     Mutation("per-device-ignores-guard", "the per-device update is made whether or not the step is finite",
              "dist_minimize/distribute.py",
              "                _compat.unlowered_cond(agreed, ",
              "                _compat.unlowered_cond(tf.constant(True), ",
-             [MIRRORED_INPROCESS]),
+             MIRRORED_INPROCESS),
     Mutation("per-device-first-device-only", "every device's update is made on the first device's copies",
              "dist_minimize/distribute.py",
              "            with tf.device(device), _compat.update_context(i):",
              "            with tf.device(device), _compat.update_context(0):",
-             [MIRRORED_INPROCESS, f"{MIRRORED}::test_matches_single_device"]),
+             tests(MIRRORED_INPROCESS, STRATEGY_PARITY)),
     Mutation("per-device-skip-uncounted", "a step the per-device update skips is not counted in skipped_steps",
              "dist_minimize/distribute.py",
              "lambda: _discard(otherwise(i)))",
              "lambda: None)",
-             [MIRRORED_INPROCESS]),
+             MIRRORED_INPROCESS),
     Mutation("per-device-any-resource", "a device's cond is kept whole though it reads a resource of another device",
              "dist_minimize/_compat/per_device.py",
              "    if not first.device_type or any(not _same_device(d, first) for d in devices[1:]):\n        return None",
              "    if not first.device_type:\n        return None",
-             [MIRRORED_INPROCESS,
+             [f"{D}/test_guarded_update.py",
               "tests/unit/test_compat_canaries.py::test_unlowered_cond_stays_lowered_on_resources_of_two_devices"]),
     Mutation("unlowered-away-from-resources", "an If is kept whole on another device than its resources",
              "dist_minimize/_compat/per_device.py",
@@ -214,7 +264,7 @@ MUTATIONS = [
              "    if device is None or ops_without_kernel(made[0], device.device_type):",
              "    if device is None:",
              ["tests/unit/test_compat_canaries.py::test_unlowered_cond_stays_lowered_when_a_branch_op_has_no_kernel_for_the_device",
-              f"{MIRRORED_INPROCESS}::test_devices_without_a_kernel_for_an_update_op_keep_their_cond_lowered"]),
+              f"{D}/test_guarded_update.py::test_devices_without_a_kernel_for_an_update_op_keep_their_cond_lowered"]),
     Mutation("single-device-cond-lowered", "the guarded update on one device (Horovod, no strategy) is a lowered cond",
              "dist_minimize/distribute.py",
              "    _compat.unlowered_cond(condition, lambda: _discard(fn(*args)), lambda: _discard(otherwise()))",
@@ -229,7 +279,7 @@ MUTATIONS = [
              "dist_minimize/staged.py",
              "        if not distribute.has_copy_per_device(",
              "        if False and not distribute.has_copy_per_device(",
-             [MIRRORED_INPROCESS]),
+             MIRRORED_INPROCESS),
     # Issue 22: the behaviours ported from TF Addons and TF Privacy.
     Mutation("ma-dynamic-count-from-one", "MovingAverage's dynamic decay counts the current update (2/11 at the first, not 0.1)",
              "dist_minimize/wrappers/moving_average.py",
@@ -269,19 +319,19 @@ MUTATIONS = [
              "not its sub-optimizers' (MultiOptimizer aggregated twice)",
              "dist_minimize/aggregation/once.py",
              "    found = keras_optimizers(root)\n", "    found = [root]\n",
-             [ONE_AGGREGATION, f"{EVERY_RULE}::test_mirrored"]),
+             tests(ONE_AGGREGATION, EVERY_RULE)),
     Mutation("update-rule-collective-allowed", "a collective inside the update rule is not refused",
              "dist_minimize/_zones.py",
              "    if zone.forbid:\n", "    if False:\n",
-             [ONE_AGGREGATION]),
+             ONE_AGGREGATION),
     Mutation("aggregator-plan-unchecked", "an aggregator that makes more collectives than it plans is not refused",
              "dist_minimize/aggregation/once.py",
              "    if plan is not None and len(zone.events) != plan:\n", "    if False:\n",
-             [ONE_AGGREGATION]),
+             ONE_AGGREGATION),
     Mutation("second-aggregation-allowed", "aggregate_gradients may run twice in one step",
              "dist_minimize/aggregation/once.py",
              "    if len(_zones.STATE.aggregations) > allowed:\n", "    if len(_zones.STATE.aggregations) > allowed + 1:\n",
-             [ONE_AGGREGATION]),
+             tests(ONE_AGGREGATION, "tests/unit/test_sam.py::test_an_extra_aggregation_counts_only_when_declared")),
     # Issue 23 (a layered package): what replaced imports of subclasses.
     Mutation("refuses-outside-ignored", "a wrapper's `refuses_outside` declaration is not read "
              "(accumulation or loss scaling around DifferentialPrivacy accepted)",
@@ -299,7 +349,7 @@ MUTATIONS = [
     Mutation("step-hook-unchecked", "a step hook's collective is not refused (the update contract unenforced)",
              "dist_minimize/staged.py",
              '            with once.step_hook(opt, "on_applied"):\n', "            with contextlib.nullcontext():\n",
-             [f"{ONE_AGGREGATION}::test_a_step_hook_that_synchronises_is_refused_naming_it"]),
+             [f"{ONE_AGGREGATION_FILE}::test_a_step_hook_that_synchronises_is_refused_naming_it"]),
     Mutation("sum-across-one-all-reduce", "dist_minimize.distribute.sum_across packs values of several dtypes into one all-reduce",
              "dist_minimize/distribute.py",
              "            by_dtype.setdefault(v.dtype, []).append(i)\n", "            by_dtype.setdefault(0, []).append(i)\n",
@@ -312,7 +362,7 @@ MUTATIONS = [
     Mutation("strategy-plan-one", "the strategy backend plans one all-reduce whatever the dtypes",
              "dist_minimize/aggregation/strategy.py",
              "        return len({g.dtype for g, _ in grads_and_vars if g is not None})\n", "        return 1\n",
-             [ONE_AGGREGATION]),
+             ONE_AGGREGATION),
     # Issue 22 (A-E): Keras settings validated, gradient forms converted, clip bounds
     # settable between steps, lazy build under MirroredStrategy, strategy limits named.
     Mutation("keras-clip-setting-unchecked", "an invalid Keras clip setting (<= 0, NaN, inf) is not checked in Keras style",

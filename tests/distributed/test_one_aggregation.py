@@ -1,8 +1,11 @@
 """Exactly one aggregation per step, by construction and checked (DESIGN invariant 9):
 an update rule that routes variables to other optimizers is not aggregated twice, and
-whatever would aggregate again is refused at its first trace, naming it.
+whatever would aggregate again is refused at its first trace, naming it; the collectives
+a step executes are counted.
 
-MirroredStrategy on 2 logical CPUs, in this process."""
+MirroredStrategy on 2 logical CPUs, in this process, unless a test's `run` parameter
+names a shared job of jobs.py ("mirrored-2"/"mirrored-4": the MirroredStrategy worker
+jobs; "horovod-gloo": the horovodrun jobs)."""
 
 import keras
 import numpy as np
@@ -10,12 +13,58 @@ import pytest
 import tensorflow as tf
 
 import dist_minimize as dm
+import jobs
 import parity_lib as P
-from conftest import mirrored_strategy
+from conftest import mirrored_strategy, requires_horovod
 from dist_minimize.aggregation import once
+from jobs import run_param
 
 pytestmark = pytest.mark.distributed
 DEFAULT = tf.distribute.get_strategy()
+
+
+ONE_COLLECTIVE_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES]
+                        + [run_param("horovod-gloo", case) for case in P.HOROVOD_CASES])
+
+
+@pytest.mark.parametrize("run,case", ONE_COLLECTIVE_CASES)
+def test_exactly_one_collective_per_step(tmp_path_factory, run, case):
+    """The collectives a step executes, counted as they run (under MirroredStrategy every
+    replica-context all-reduce; under Horovod a variable incremented by each call)."""
+    if run.startswith("mirrored-"):
+        n = int(run.split("-")[1])
+        r = jobs.mirrored(n)[case]
+        # The custom "callable" loop runs eagerly: one call per replica per step (4 steps).
+        # fit and "tape" are traced once: one call per replica in the traced step. A second
+        # aggregation (Keras's own) would double these counts.
+        expected = n * P.STEPS if case.split("/")[1] == "callable" else n
+        assert r["all_reduce_calls"] == expected, r
+        return
+    for r in jobs.horovod(run, 2, "parity", tmp_path_factory):
+        assert r[case]["calls"] == {"grouped_allreduce": P.STEPS, "allreduce": 0}, r[case]["calls"]
+        assert r[case]["iterations"] == P.STEPS
+
+
+@pytest.mark.parametrize("run", [run_param("horovod-gloo")])
+def test_horovod_refuses_what_would_aggregate_twice(tmp_path_factory, run):
+    """At the first trace, on every rank: a backend making two grouped allreduces where it
+    plans one, and an update rule calling hvd.allreduce itself."""
+    for rank in jobs.horovod(run, 2, "keras_rules", tmp_path_factory):
+        assert "planned 1 collective and made 2" in rank["twice_backend"]
+        assert "HorovodGroupedAllreduce" in rank["twice_backend"]
+        assert "made a collective: a Horovod HorovodAllreduce" in rank["allreducing_rule"]
+        assert "AllReducingSGD" in rank["allreducing_rule"]
+
+
+@requires_horovod
+def test_horovod_backend_inside_a_strategy_is_refused():
+    s = mirrored_strategy()
+    with s.scope():
+        v = tf.Variable([1.0])
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="horovod")
+        opt.build([v])
+    with pytest.raises(ValueError, match="aggregated twice"):
+        s.run(lambda: opt.apply_gradients([(tf.constant([1.0]), v)]))
 
 
 def multi(sgd_lr=0.05, adam_lr=0.01):

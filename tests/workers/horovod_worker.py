@@ -278,7 +278,7 @@ if scenario == "parity":
                                  "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
 
 elif scenario == "keras_rules":
-    # Every update rule keras.optimizers exports (test_every_keras_optimizer.py).
+    # Every update rule keras.optimizers exports (tests/distributed/test_keras_parity.py).
     hvd = dm.horovod_keras.init()
     rank, size = hvd.rank(), hvd.size()
     for key in P.keras_rule_cases(keras) + P.LAZY_CASES:
