@@ -90,18 +90,18 @@ def discover(environ: Mapping[str, str] | None = None) -> ClusterInfo:
       ValueError: a variable is malformed or inconsistent (rank >= size), naming it.
     """
     environ = os.environ if environ is None else environ
-    for launcher, rank, size, local_rank, local_size in _SCHEMES:
-        if rank in environ and size in environ:
-            info_rank, info_size = _int(environ, rank), _int(environ, size)
-            lr = _int(environ, local_rank) if local_rank and local_rank in environ else 0
-            if local_size and local_size in environ:
-                ls = _int(environ, local_size)
-            elif launcher == "slurm":
-                ls = slurm_tasks_on_node(environ)
-            else:
-                ls = 1
-            info = ClusterInfo(info_rank, info_size, lr, ls, launcher)
-            break
+    # (No for/else here: traced steps call this, and AutoGraph cannot convert one.)
+    found = [scheme for scheme in _SCHEMES if scheme[1] in environ and scheme[2] in environ]
+    if found:
+        launcher, rank, size, local_rank, local_size = found[0]
+        lr = _int(environ, local_rank) if local_rank and local_rank in environ else 0
+        if local_size and local_size in environ:
+            ls = _int(environ, local_size)
+        elif launcher == "slurm":
+            ls = slurm_tasks_on_node(environ)
+        else:
+            ls = 1
+        info = ClusterInfo(_int(environ, rank), _int(environ, size), lr, ls, launcher)
     else:
         info = _from_tf_config(environ) or ClusterInfo(0, 1, 0, 1, "single")
     if info.size < 1 or info.rank >= info.size or info.local_rank >= max(info.local_size, 1):

@@ -76,6 +76,15 @@ EXTRA_STACKS = {
     "stack": WEIGHT_STACK,
     "loss_scale": lambda dm, o: dm.LossScaleOptimizer(o, initial_scale=8.0, dynamic=True, growth_interval=1),
 }
+# SAM (issue 24): the loss evaluated again at perturbed weights, in "callable" and
+# "fit_integrated" modes; rho large enough that a perturbation from a replica's own
+# gradient would show.
+SAM_WRAPPERS = {
+    "sam": lambda dm, o: dm.SAM(o, rho=0.5),
+    "asam_stack": lambda dm, o: dm.MovingAverage(dm.DecoupledWeightDecay(
+        dm.SAM(o, rho=0.5, adaptive=True), weight_decay=0.01), average_decay=0.5),
+}
+SAM_CASES = [f"sam/{name}/{mode}" for name in SAM_WRAPPERS for mode in ("callable", "fit_integrated")]
 # Stacks built on first use (no `build` before the first traced step) in the process
 # tests (MultiWorkerMirroredStrategy, horovodrun): "lazy:WRAP/MODE/CLIP" cases.
 LAZY_CASES = ["lazy:stack/tape/some", "lazy:loss_scale/callable/some", "lazy:dp/tape/some"]
@@ -314,6 +323,8 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
             opt = wrap(dm, opt)
         elif wrap in EXTRA_STACKS:
             opt = EXTRA_STACKS[wrap](dm, opt)
+        elif wrap in SAM_WRAPPERS:
+            opt = SAM_WRAPPERS[wrap](dm, opt)
         elif wrap is not None:
             opt = (PRIVACY_WRAPPERS if per_example else WEIGHT_WRAPPERS)[wrap](dm, opt)
     if dataset is None:

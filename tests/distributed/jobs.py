@@ -43,7 +43,8 @@ KERAS_RULE_CASES = P.keras_rule_cases(keras)
 MULTIWORKER_RULE_CASES = {case: case.replace("/fit/", "/fit_integrated/") for case in KERAS_RULE_CASES}
 MULTIWORKER_RULE_CASES.update({case: case for case in P.LAZY_CASES})
 MULTIWORKER_JOBS = {
-    "parity": MULTIWORKER_PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"],
+    "parity": MULTIWORKER_PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
+    + P.SAM_CASES,
     "keras_rules": list(MULTIWORKER_RULE_CASES.values()),
 }
 

@@ -1,4 +1,5 @@
-"""Parity of `dist_minimize.SAM` under MirroredStrategy (2 logical CPUs in this process):
+"""Parity of `dist_minimize.SAM` under MirroredStrategy (2 logical CPUs in this process),
+MultiWorkerMirroredStrategy and horovodrun (the shared process jobs of jobs.py):
 the perturbation is taken from the global batch's gradient by default, so 2 replicas end
 where one device ends on the same global batches, in `fit` (through `integrate`) and in a
 custom loop; with `per_replica=True` each replica perturbs along its own gradient
@@ -11,6 +12,8 @@ import pytest
 import tensorflow as tf
 
 import dist_minimize as dm
+import jobs
+import parity_lib as P
 from conftest import mirrored_strategy
 
 pytestmark = pytest.mark.distributed
@@ -117,3 +120,26 @@ def test_per_replica_perturbation_is_m_sharpness_and_differs_from_one_device():
     np.testing.assert_allclose(one[0], numpy_m_sharpness(1)[0], atol=2e-6)
     assert max(np.abs(a - c).max() for a, c in zip(got, one)) > 1e-4  # 7.4e-4 measured
     assert opt.extra_aggregations == 0
+
+
+SAM_PROCESS_CASES = ([jobs.run_param("multiworker", case) for case in P.SAM_CASES]
+                     + [jobs.run_param("horovod-gloo", case) for case in P.SAM_CASES])
+
+
+@pytest.mark.parametrize("run,case", SAM_PROCESS_CASES)
+def test_sam_on_two_processes_matches_one_device(tmp_path_factory, run, case):
+    """SAM and ASAM (inside DecoupledWeightDecay and MovingAverage), Adam with the clip
+    firing on some steps, in a custom loop and in `fit` through `integrate`: 2
+    MultiWorkerMirroredStrategy workers and `horovodrun -np 2` (Gloo) end where one
+    device ends on the same global batches. Under Horovod each step makes two grouped
+    allreduces: the perturbation's gradient and the update's."""
+    _, name, mode = case.split("/")
+    ref, _, _ = P.train(jobs.DEFAULT, "adam", mode, aggregate="none", clip="some", wrap=name)
+    results = (jobs.multiworker("parity", tmp_path_factory) if run == "multiworker"
+               else jobs.horovod(run, 2, "parity", tmp_path_factory))
+    for r in results:
+        got = r[case]
+        assert got["iterations"] == P.STEPS
+        assert P.max_abs_diff(ref, jobs.arrays(got["weights"])) <= 1e-6
+        if run == "horovod-gloo":
+            assert got["calls"]["grouped_allreduce"] == 2 * P.STEPS, got["calls"]

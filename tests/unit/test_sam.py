@@ -194,3 +194,28 @@ def test_sam_saves_and_loads():
     assert (again.rho, again.adaptive, again.per_replica, again.extra_aggregations) == (0.1, True, True, 0)
     with pytest.raises(ValueError, match="rho"):
         dm.SAM(dm.Optimizer(keras.optimizers.SGD(0.1)), rho=0.0)
+
+
+class Centralize(dm.OptimizerWrapper):
+    """Gradient centralization: a user's `transform_gradients` wrapper."""
+
+    def transform_gradients(self, grads_and_vars):
+        return super().transform_gradients([(g - tf.reduce_mean(g), v) for g, v in grads_and_vars])
+
+
+def test_a_custom_stage_traces_without_autograph_warnings_from_the_package(caplog):
+    """Every run with a custom stage printed "AutoGraph could not transform <function
+    discover ...>: for/else statement not yet supported" (issue 24)."""
+    import logging
+
+    w = tf.Variable([1.0, 2.0])
+    opt = Centralize(dm.Optimizer(keras.optimizers.SGD(0.1)))
+
+    @tf.function
+    def step():
+        opt.minimize(lambda: tf.reduce_sum(w * w), [w])
+
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        step()
+    assert not [r for r in caplog.records if "AutoGraph could not transform" in r.getMessage()], caplog.text
+    np.testing.assert_allclose(w.numpy(), [1.1, 1.9])

@@ -110,6 +110,12 @@ if scenario == "parity":
             w, opt, _ = P.train(default, "sgd", mode, clip=False, dataset=P.local_dataset(rank, size), wrap=name)
             results[f"dp/{name}/{mode}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                             "draws": int(opt.noise_draws.numpy())}
+    # SAM (issue 24): the loss evaluated again at weights perturbed along the aggregated gradient.
+    for case in P.SAM_CASES:
+        _, name, mode = case.split("/")
+        w, opt, _ = P.train(default, "adam", mode, clip="some", dataset=P.local_dataset(rank, size),
+                            loss_denominator=local, wrap=name)
+        results[case] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()), "calls": counter.take()}
     noise = P.privacy_noise(default, dataset=P.local_dataset(rank, size))
     results["dp/noise"] = {"std": [float(m.std()) for m in noise["moves"]],
                            "head": [m[:500].tolist() for m in noise["moves"]]}

@@ -2,7 +2,7 @@
 
 Usage: multiworker_worker.py OUT_JSON CASE [CASE ...], with TF_CONFIG set by the caller.
 A CASE is "OPT/MODE[/CLIP]" (e.g. "adam/callable", "sgd-0.01/tape/some"; CLIP is a
-clip mode of parity_lib.CLIPS, default "always"). Every worker holds its own
+clip mode of parity_lib.CLIPS, default "always"), or "sam/NAME/MODE" (parity_lib.SAM_CASES). Every worker holds its own
 shard of each global batch; each trains the same model and writes the final weights.
 Collectives time out (DM_COLLECTIVE_TIMEOUT seconds) so a lost peer fails fast.
 """
@@ -63,6 +63,11 @@ for case in cases:
                                   P.STEPS * k, P.GLOBAL_BATCH)
         results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy()),
                          "clipped_steps": P.clipped_steps(opt)}
+        continue
+    if opt_name == "sam":
+        dataset = strategy.distribute_datasets_from_function(local_dataset)
+        got, opt, _ = P.train(strategy, "adam", rest[0], clip="some", dataset=dataset, wrap=mode)
+        results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy())}
         continue
     if mode == "fit_anchor":
         # Stock Keras model.fit under MultiWorkerMirroredStrategy: record how it fails.
