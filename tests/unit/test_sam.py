@@ -219,3 +219,105 @@ def test_a_custom_stage_traces_without_autograph_warnings_from_the_package(caplo
         step()
     assert not [r for r in caplog.records if "AutoGraph could not transform" in r.getMessage()], caplog.text
     np.testing.assert_allclose(w.numpy(), [1.1, 1.9])
+
+
+def numpy_sam_accumulated(x, y, w, b, updates, k):
+    """SGD + SAM under accumulation over k micro-batches: a perturbation per micro-step
+    (from that micro-batch's gradient), the second gradients averaged over the k."""
+    w, b = w.astype("float64"), b.astype("float64")
+    n = len(x) // (updates * k)
+    for u in range(updates):
+        total = [np.zeros_like(w), np.zeros_like(b)]
+        for m in range(k):
+            rows = slice((u * k + m) * n, (u * k + m + 1) * n)
+            g = grad(x[rows], y[rows], w, b)
+            norm = np.sqrt(sum(np.sum(t ** 2) for t in g))
+            e = [RHO * t / (norm + 1e-12) for t in g]
+            total = [a + c / k for a, c in zip(total, grad(x[rows], y[rows], w + e[0], b + e[1]))]
+        w, b = w - LR * total[0], b - LR * total[1]
+    return w, b
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_sam_under_accumulation_perturbs_at_every_micro_step(outside):
+    """Either order of SAM and GradientAccumulation: one perturbation per micro-step, from
+    that micro-batch's gradient; one update per k micro-steps."""
+    x, y, w0, b0 = problem(batch=32)
+    w, b = tf.Variable(w0), tf.Variable(b0)
+    base = dm.Optimizer(keras.optimizers.SGD(LR))
+    opt = (dm.SAM(dm.GradientAccumulation(base, steps=2), rho=RHO) if outside
+           else dm.GradientAccumulation(dm.SAM(base, rho=RHO), steps=2))
+
+    @tf.function
+    def step(xb, yb):
+        opt.minimize(lambda: tf.reduce_mean(tf.reduce_sum(tf.square(xb @ w + b - yb), axis=-1)), [w, b])
+
+    for m in range(4):
+        step(x[m * 8:(m + 1) * 8], y[m * 8:(m + 1) * 8])
+    want_w, want_b = numpy_sam_accumulated(x, y, w0, b0, updates=2, k=2)
+    np.testing.assert_allclose(w.numpy(), want_w, atol=2e-6)
+    np.testing.assert_allclose(b.numpy(), want_b, atol=2e-6)
+    assert int(opt.iterations.numpy()) == 2
+
+
+def test_loss_scaling_cancels_in_the_perturbation():
+    """The perturbation uses the gradient's direction: a loss scale of 1024 around SAM
+    gives SAM's weights (the second gradient is unscaled as any other)."""
+    x, y, w0, b0 = problem()
+    out = []
+    for scaled in (False, True):
+        w, b = tf.Variable(w0), tf.Variable(b0)
+        opt = dm.SAM(dm.Optimizer(keras.optimizers.SGD(LR)), rho=RHO)
+        if scaled:
+            opt = dm.LossScaleOptimizer(opt, initial_scale=1024.0, dynamic=False)
+        step = tf.function(lambda: opt.minimize(
+            lambda: tf.reduce_mean(tf.reduce_sum(tf.square(x @ w + b - y), axis=-1)), [w, b]))
+        for _ in range(STEPS):
+            step()
+        out.append((w.numpy(), b.numpy()))
+    np.testing.assert_allclose(out[1][0], out[0][0], atol=1e-6)
+    np.testing.assert_allclose(out[0][0], numpy_sam(x, y, w0, b0, STEPS)[0], atol=2e-6)
+
+
+@keras.saving.register_keras_serializable(package="test_sam")
+def squared_error(yt, yp):
+    return tf.reduce_sum(tf.square(yp - yt), axis=-1)
+
+
+@pytest.mark.parametrize("form", ["keras", "checkpoint"])
+def test_a_stack_with_sam_resumes_exactly(tmp_path, form):
+    """MovingAverage(DecoupledWeightDecay(SAM(Adam + clip))): 3 steps, saved, loaded into a
+    fresh model and optimizer, 3 more steps == 6 steps without a break, bit for bit."""
+    x, y, w0, b0 = problem()
+
+    def build():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.set_weights([w0, b0])
+        opt = dm.MovingAverage(dm.DecoupledWeightDecay(dm.SAM(dm.Optimizer(
+            keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(0.5)), rho=RHO, adaptive=True),
+            weight_decay=0.01), average_decay=0.9)
+        model.compile(optimizer=opt, loss=squared_error)
+        dm.integrate(model)
+        return model
+
+    def fit(model, epochs):
+        model.fit(x, y, batch_size=len(x), epochs=epochs, shuffle=False, verbose=0)
+
+    straight = build()
+    fit(straight, 6)
+    first = build()
+    fit(first, 3)
+    if form == "keras":
+        first.save(tmp_path / "m.keras")
+        second = keras.models.load_model(tmp_path / "m.keras")
+        dm.integrate(second)
+    else:
+        tf.train.Checkpoint(model=first, optimizer=first.optimizer).write(str(tmp_path / "ckpt"))
+        second = build()
+        second.optimizer.build(second.trainable_variables)
+        tf.train.Checkpoint(model=second, optimizer=second.optimizer).read(str(tmp_path / "ckpt")).assert_consumed()
+    fit(second, 3)
+    for a, c in zip(straight.get_weights(), second.get_weights()):
+        np.testing.assert_array_equal(a, c)
+    for a, c in zip(straight.optimizer.variables, second.optimizer.variables):
+        np.testing.assert_array_equal(np.array(a), np.array(c))
