@@ -275,3 +275,60 @@ def make_average(kind: str, strategy, build_model, global_batch: int, average_cl
         opt.minimize(loss, model.trainable_variables, tape=tape)
 
     return _steps.Step(strategy, model, batch, replica)
+
+
+SAM_RHO = 0.05
+
+
+def make_sam(kind: str, strategy, build_model, global_batch: int) -> _steps.Step:
+    """SAM over Adam + clip: `dm.SAM` ("dm") or the hand-written distributed SAM step
+    ("hand": two forward and backward passes, two all-reduces, the perturbation written
+    and put back through merge_call, no guard)."""
+    with strategy.scope():
+        model = build_model()
+        batch = _steps.batch_for(model, global_batch, strategy)
+        if kind == "dm":
+            opt = dm.SAM(dm.Optimizer(keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(CLIP)),
+                         rho=SAM_RHO)
+        else:
+            opt = _steps.disabled_all_reduce(keras.optimizers.Adam(LR))
+        opt.build(model.trainable_variables)
+    variables = model.trainable_variables
+
+    def replica(x, y):
+        def loss_fn():
+            return tf.nn.compute_average_loss(_steps.per_example_loss(model, x, y), global_batch_size=global_batch)
+
+        if kind == "dm":
+            opt.minimize(loss_fn, variables)
+            return
+        ctx = tf.distribute.get_replica_context()
+        with tf.GradientTape() as tape:
+            loss = loss_fn()
+        grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tape.gradient(loss, variables))
+        norm = tf.linalg.global_norm(grads)
+        saved = [tf.identity(v) for v in variables]
+        hand_write(variables, [w + SAM_RHO * g / (norm + 1e-12) for w, g in zip(saved, grads)])
+        with tf.GradientTape() as again:
+            loss = loss_fn()
+        grads = ctx.all_reduce(tf.distribute.ReduceOp.SUM, again.gradient(loss, variables))
+        hand_write(variables, saved)
+        grads, _ = tf.clip_by_global_norm(grads, CLIP)
+        opt.apply_gradients(zip(grads, variables))
+
+    return _steps.Step(strategy, model, batch, replica)
+
+
+def hand_write(variables, values):
+    """Each replica's value into its own copy of each variable (merge_call + update)."""
+    ctx = tf.distribute.get_replica_context()
+    if not tf.distribute.has_strategy() or ctx is None or ctx.num_replicas_in_sync == 1:
+        for v, x in zip(variables, values):
+            v.assign(x)
+        return
+
+    def cross(strategy, values):
+        for v, x in zip(variables, values):
+            strategy.extended.update(v.value, lambda copy, val: copy.assign(val), args=(x,), group=False)
+
+    ctx.merge_call(cross, args=(values,))

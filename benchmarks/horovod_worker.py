@@ -36,26 +36,45 @@ class HvdStep:
         y = tf.constant(rng.normal(size=(local_batch, model.output_shape[-1])).astype("float32"))
         variables = model.trainable_variables
         uses_dm = kind.startswith("dm") or kind.endswith("_avg")
+        self.variables = variables
         if uses_dm:
             opt = dm.Optimizer(keras.optimizers.Adam(LR), aggregate_gradients="horovod",
                                transform_gradients=dm.clip_by_global_norm(CLIP),
                                skip_nonfinite=kind != "dm_clip_noguard")
-            if kind == "builtin_avg":
+            if kind == "dm_sam":
+                opt = dm.SAM(opt, rho=_wrappers.SAM_RHO)
+            elif kind == "builtin_avg":
                 opt = dm.MovingAverage(opt, average_decay=EMA_DECAY)
             elif kind == "docs_avg":
                 opt = average_class(opt, decay=EMA_DECAY)
         else:
             opt = _steps.disabled_all_reduce(keras.optimizers.Adam(LR))
         opt.build(variables)
-        self.variables = variables
 
         @tf.function(jit_compile=False)
         def step():
             self.traces += 1
+
+            def loss_fn():
+                return tf.reduce_mean(_steps.per_example_loss(model, x, y))
+
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(_steps.per_example_loss(model, x, y))
+                loss = loss_fn()
             if uses_dm:
-                opt.minimize(loss, variables, tape=tape)
+                opt.minimize(loss, variables, tape=tape, loss_fn=loss_fn)
+            elif kind == "hand_sam":  # two passes, two grouped allreduces, the perturbation put back
+                grads = hvd.grouped_allreduce(tape.gradient(loss, variables), op=hvd.Average)
+                norm = tf.linalg.global_norm(grads)
+                saved = [tf.identity(v) for v in variables]
+                for v, w, g in zip(variables, saved, grads):
+                    v.assign(w + _wrappers.SAM_RHO * g / (norm + 1e-12))
+                with tf.GradientTape() as again:
+                    second = loss_fn()
+                grads = hvd.grouped_allreduce(again.gradient(second, variables), op=hvd.Average)
+                for v, w in zip(variables, saved):
+                    v.assign(w)
+                grads, _ = tf.clip_by_global_norm(grads, CLIP)
+                opt.apply_gradients(zip(grads, variables))
             else:
                 grads = hvd.grouped_allreduce(tape.gradient(loss, variables), op=hvd.Average)
                 grads, norm = tf.clip_by_global_norm(grads, CLIP)
@@ -145,6 +164,14 @@ def main(argv):
     custom = {"MLP 10 x Dense(256)": _steps.mlp(10, 256)}
     if not quick:
         custom["MLP 50 x Dense(128)"] = _steps.mlp(50, 128)
+    for label, build in custom.items():  # section 10 under horovodrun
+        variants = {k: HvdStep(k, build, 128) for k in ("dm_sam", "hand_sam")}
+        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
+                              block_seconds=block, agree=agree)
+        results.setdefault("sam", []).append({
+            "model": label, "variables": len(variants["dm_sam"].variables),
+            "ms": {k: t.median_ms(k) for k in variants}, "ratio": t.ratio("dm_sam", "hand_sam").as_dict(),
+            "traces": {k: v.traces for k, v in variants.items()}})
     for label, build in custom.items():  # section 8 under horovodrun
         variants = {k: HvdStep(k, build, 128, average) for k in ("docs_avg", "builtin_avg")}
         t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.parametrize("section,title", [("clip", "Clipping overhead"),
                                            ("custom", "A wrapper written from the docs"),
-                                           ("guard", "The guard's mechanism")])
+                                           ("guard", "The guard's mechanism"),
+                                           ("sam", "SAM: dm.SAM against the hand-written")])
 def test_quick_run_writes_finite_ratios(tmp_path, section, title):
     cmd = proc.python("benchmarks/run.py", "--quick", "--no-plot", "--only", section,
                       "--out", str(tmp_path), "--json", str(tmp_path / "r.json"))
