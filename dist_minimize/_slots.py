@@ -1,10 +1,13 @@
 """Slot storage of a dist_minimize optimizer: one variable per trained variable and
-purpose (`add_slot`, `slot`, `slots`), and saving and restoring an optimizer's own
-state. A mixin of `StagedOptimizer`."""
+purpose (`add_slot`, `slot`, `slots`), saving and restoring an optimizer's own state, and
+building the stack on first use. A mixin of `StagedOptimizer`."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import keras
+import tensorflow as tf
 
 from dist_minimize import _compat, _stages
 
@@ -100,6 +103,44 @@ class SlotStorage:
                 "or saved with another optimizer stack).")
         for i, variable in enumerate(own):
             variable.assign(store[str(i)])
+
+    def _build_on_first_use(self, variables: list) -> None:
+        """Builds the stack from `minimize`/`apply_gradients` when `build` was not called.
+
+        As an explicit `build` under the strategy scope would: once, in the cross-replica
+        context (a `merge_call` from the replicas), outside any function being traced
+        (`tf.init_scope`), under the strategy in use. Built in the replica context of a
+        traced step instead, a variable whose initial value the graph computes (a
+        replica's copy of the first replica's value, a slot that starts from the weights)
+        cannot be lifted out of the function: under MirroredStrategy TensorFlow then
+        fails with "You must feed a value for placeholder tensor
+        'cond/else/_1/cond/Placeholder'".
+
+        Where the variables were themselves created in the function being traced (a model
+        built by its first traced step, as Keras's `fit` does without a strategy), their
+        values exist only inside it: the stack is then built there, as Keras builds.
+
+        Args:
+          variables: the variables to build for (the first step's).
+        """
+        _stages.check_variables_in_strategy(variables)
+        if not _compat.initialized_outside_functions(variables):
+            with keras.name_scope(self.name, caller=self):
+                self.build(variables)
+            return
+        strategy = tf.distribute.get_strategy()
+
+        def build(*_):
+            if self.built:
+                return
+            with tf.init_scope(), strategy.scope(), keras.name_scope(self.name, caller=self):
+                self.build(variables)
+
+        context = tf.distribute.get_replica_context()
+        if context is None:
+            build()
+        else:
+            context.merge_call(build)
 
 
 class _BuiltState:

@@ -24,15 +24,16 @@ from typing import Callable, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _per_device, _stages, distribute
+from dist_minimize import _compat, _stages, distribute
 from dist_minimize._finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
+from dist_minimize._per_device import PerDeviceUpdate
 from dist_minimize._slots import SlotStorage, _BuiltState
 from dist_minimize.aggregation import once
 
 
-class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, keras.optimizers.Optimizer,
-                      metaclass=abc.ABCMeta):
+class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.UntrackedBaseState,
+                      keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
     Subclasses implement the stages (`Optimizer` with a Keras update rule and
@@ -192,44 +193,6 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         self.run_update(grads_and_vars, top=self, aggregate=aggregate)
         return self.iterations
 
-    def _build_on_first_use(self, variables: list) -> None:
-        """Builds the stack from `minimize`/`apply_gradients` when `build` was not called.
-
-        As an explicit `build` under the strategy scope would: once, in the cross-replica
-        context (a `merge_call` from the replicas), outside any function being traced
-        (`tf.init_scope`), under the strategy in use. Built in the replica context of a
-        traced step instead, a variable whose initial value the graph computes (a
-        replica's copy of the first replica's value, a slot that starts from the weights)
-        cannot be lifted out of the function: under MirroredStrategy TensorFlow then
-        fails with "You must feed a value for placeholder tensor
-        'cond/else/_1/cond/Placeholder'".
-
-        Where the variables were themselves created in the function being traced (a model
-        built by its first traced step, as Keras's `fit` does without a strategy), their
-        values exist only inside it: the stack is then built there, as Keras builds.
-
-        Args:
-          variables: the variables to build for (the first step's).
-        """
-        _stages.check_variables_in_strategy(variables)
-        if not _compat.initialized_outside_functions(variables):
-            with keras.name_scope(self.name, caller=self):
-                self.build(variables)
-            return
-        strategy = tf.distribute.get_strategy()
-
-        def build(*_):
-            if self.built:
-                return
-            with tf.init_scope(), strategy.scope(), keras.name_scope(self.name, caller=self):
-                self.build(variables)
-
-        context = tf.distribute.get_replica_context()
-        if context is None:
-            build()
-        else:
-            context.merge_call(build)
-
     @contextlib.contextmanager
     def _decaying_step(self, decay_var_list):
         # The optimizer of the stack that decays weights (DecoupledWeightDecay), found by
@@ -296,48 +259,6 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState, ker
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
                               otherwise=top._notify_skipped, updates=pending)
-
-    def _update_device_by_device(self, condition: tf.Tensor, grads_and_vars: list, pending: list) -> None:
-        """The guarded update under a merge-call strategy, one `If` per device
-        (`distribute.run_if_per_device`), each writing that device's copies."""
-        variables = [v for _, v in grads_and_vars]
-        _compat.check_variables_are_known(self.stack()[-1].inner_optimizer, variables)
-
-        def apply_on(index, grads):
-            with _per_device.on_device(index):
-                self._apply_and_notify(list(zip(grads, variables)))
-
-        def skip_on(index):
-            with _per_device.on_device(index):
-                self._notify_skipped()
-
-        distribute.run_if_per_device(condition, apply_on, args=([g for g, _ in grads_and_vars],),
-                                     otherwise=skip_on, updates=pending)
-
-    def _per_device_ok(self, grads_and_vars: list) -> bool:
-        """Whether this stack's update can be made device by device under a merge-call
-        strategy (`distribute.run_if_per_device`), instead of by `run_if`.
-
-        Why: `run_if` takes its branch once in the cross-replica context, and TensorFlow
-        lowers that multi-device `tf.cond` into a Switch and an Identity per input per
-        device (about 800 at 100 variables on 2 devices: a 1.13x step). One unlowered
-        cond per device holds the same update and costs one kernel each (where its ops
-        have kernels for the device: `_compat.unlowered_cond`).
-
-        The step hooks (`apply_updates`, `on_applied`, `on_skipped`) may run device by
-        device because their contract allows only reading and writing variables (no
-        collective: `_apply_and_notify` checks it, for every class alike). Yes when
-        every variable has one copy per device (not so under CentralStorageStrategy),
-        and the Keras update rule at the bottom keeps Keras's own `apply` path
-        (`_compat.keras_apply_on_device_blocker`: Nadam, Muon, MultiOptimizer,
-        constraints, ... keep `run_if`).
-        """
-        rule = self.stack()[-1].__dict__.get("inner_optimizer")  # the Keras update rule, if any
-        if rule is None:
-            return False
-        if not distribute.has_copy_per_device([v for _, v in grads_and_vars] + [self.iterations]):
-            return False
-        return _compat.keras_apply_on_device_blocker(rule, grads_and_vars) is None
 
     def update_condition(self, grads_and_vars: list) -> tf.Tensor | None:
         """Whether this step's update is applied: a scalar bool tensor, or None for "always".
