@@ -122,18 +122,24 @@ def test_per_replica_perturbation_is_m_sharpness_and_differs_from_one_device():
     assert opt.extra_aggregations == 0
 
 
-SAM_PROCESS_CASES = ([jobs.run_param("multiworker", case) for case in P.SAM_CASES]
+SAM_PROCESS_CASES = ([jobs.run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.SAM_CASES]
+                     + [jobs.run_param("multiworker", case) for case in P.SAM_CASES]
                      + [jobs.run_param("horovod-gloo", case) for case in P.SAM_CASES])
 
 
 @pytest.mark.parametrize("run,case", SAM_PROCESS_CASES)
 def test_sam_on_two_processes_matches_one_device(tmp_path_factory, run, case):
     """SAM and ASAM (inside DecoupledWeightDecay and MovingAverage), Adam with the clip
-    firing on some steps, in a custom loop and in `fit` through `integrate`: 2
-    MultiWorkerMirroredStrategy workers and `horovodrun -np 2` (Gloo) end where one
-    device ends on the same global batches. Under Horovod each step makes two grouped
-    allreduces: the perturbation's gradient and the update's."""
+    firing on some steps, in a custom loop and in `fit` through `integrate`: 2 and 4
+    MirroredStrategy replicas (the worker jobs), 2 MultiWorkerMirroredStrategy workers
+    and `horovodrun -np 2` (Gloo) end where one device ends on the same global batches.
+    Under Horovod each step makes two grouped allreduces: the perturbation's gradient
+    and the update's."""
     _, name, mode = case.split("/")
+    if run.startswith("mirrored-"):
+        r = jobs.mirrored(int(run.split("-")[1]))[case]
+        assert r["iterations"] == P.STEPS and r["copies_agree"] and r["diff"] <= 1e-6, r
+        return
     ref, _, _ = P.train(jobs.DEFAULT, "adam", mode, aggregate="none", clip="some", wrap=name)
     results = (jobs.multiworker("parity", tmp_path_factory) if run == "multiworker"
                else jobs.horovod(run, 2, "parity", tmp_path_factory))

@@ -96,6 +96,13 @@ for name in [*P.WEIGHT_WRAPPERS, "stack"] if N == 4 else ["stack"]:
 
 # DifferentialPrivacy (issue 10): SGD without a clipper (its steps see the gradient's
 # scale); noise off, and noise on from a fixed seed (the same noise on 1, 2, 4 devices).
+# SAM (issue 24): the perturbation from the aggregated gradient, N replicas = one device.
+for case in P.SAM_CASES:
+    _, name, mode = case.split("/")
+    ref, _, _ = P.train(default, "adam", mode, clip="some", wrap=name)
+    got, opt, model = P.train(strategy, "adam", mode, clip="some", wrap=name)
+    results[case] = {"diff": P.max_abs_diff(ref, got), "iterations": int(opt.iterations.numpy()),
+                     "copies_agree": copies_agree(model.trainable_variables)}
 for wrap in P.PRIVACY_WRAPPERS:
     for mode in ("tape", "fit_integrated"):
         ref, _, _ = P.train(default, "sgd", mode, clip=False, wrap=wrap)
