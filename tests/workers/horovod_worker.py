@@ -111,6 +111,7 @@ if scenario == "parity":
             results[f"dp/{name}/{mode}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                             "draws": int(opt.noise_draws.numpy())}
     # SAM (issue 24): the loss evaluated again at weights perturbed along the aggregated gradient.
+    counter.take()
     for case in P.SAM_CASES:
         _, name, mode = case.split("/")
         w, opt, _ = P.train(default, "adam", mode, clip="some", dataset=P.local_dataset(rank, size),
