@@ -474,7 +474,7 @@ def section_horovod(ctx_quick):
         out = os.path.join(tmp, "hvd.json")
         cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                os.path.join(HERE, "horovod_worker.py"), out] + (["--quick"] if ctx_quick else [])
-        _run_group(cmd, timeout=300 if ctx_quick else 600)
+        _run_group(cmd, timeout=300 if ctx_quick else 1800)  # 3 models x 6 kinds, SAM, section 8: ~20 min
         with open(out) as f:
             res = json.load(f)
     rows, checks, custom = [], [], []
