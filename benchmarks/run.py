@@ -338,26 +338,35 @@ def section_wrappers(ctx):
 
 # -- section 8 ---------------------------------------------------------------------------
 
-CUSTOM_TARGET = 1.03
+def _pair(ctx, make, kinds: tuple[str, str], name: str, target: float):
+    """Rows and checks of a two-variant section: `make(kind, build, batch)` for each kind on
+    an MLP of 20 and one of 100 variables; the check is kinds[0] / kinds[1] <= `target`."""
+    from benchmarks import _steps
 
-
-def section_custom(ctx):
-    from benchmarks import _steps, _wrappers
-
-    average = _wrappers.docs_wrapper()
     models = [("MLP 10 x Dense(256), 20 variables", _steps.mlp(10, 256), 256),
               ("MLP 50 x Dense(128), 100 variables", _steps.mlp(50, 128), 256)]
     if ctx.quick:
         models = [("MLP 4 x Dense(32)", _steps.mlp(4, 32), 64)]
     rows, checks = [], []
     for label, build, batch in models:
-        makers = {kind: (lambda kind=kind: _wrappers.make_average(kind, ctx.strategy, build, batch, average))
-                  for kind in ("docs", "builtin")}
-        t, built = _compare(ctx, makers)
-        r = t.ratio("docs", "builtin").as_dict()
-        rows.append([label, f"{t.median_ms('docs'):.1f}", f"{t.median_ms('builtin'):.1f}", fmt(r),
+        t, built = _compare(ctx, {k: (lambda k=k: make(k, build, batch)) for k in kinds})
+        r = t.ratio(*kinds).as_dict()
+        rows.append([label, f"{t.median_ms(kinds[0]):.1f}", f"{t.median_ms(kinds[1]):.1f}", fmt(r),
                      "/".join(str(b.traces) for b in built.values())])
-        checks.append(check(f"8. {label}: a wrapper from the docs / the built-in one", r, CUSTOM_TARGET))
+        checks.append(check(name.format(label), r, target))
+    return rows, checks
+
+
+CUSTOM_TARGET = 1.03
+
+
+def section_custom(ctx):
+    from benchmarks import _wrappers
+
+    average = _wrappers.docs_wrapper()
+    rows, checks = _pair(ctx, lambda kind, build, batch: _wrappers.make_average(kind, ctx.strategy, build, batch,
+                                                                              average),
+                         ("docs", "builtin"), "8. {}: a wrapper from the docs / the built-in one", CUSTOM_TARGET)
     return {
         "title": "8. A wrapper written from the docs against the built-in one (MirroredStrategy, 2 CPUs, Adam + clip)",
         "tables": [{"header": ["model", "docs' WeightAverage ms/step", "MovingAverage ms/step", "docs / built-in",
@@ -417,21 +426,10 @@ SAM_TARGET = 1.05
 
 
 def section_sam(ctx):
-    from benchmarks import _steps, _wrappers
+    from benchmarks import _wrappers
 
-    models = [("MLP 10 x Dense(256), 20 variables", _steps.mlp(10, 256), 256),
-              ("MLP 50 x Dense(128), 100 variables", _steps.mlp(50, 128), 256)]
-    if ctx.quick:
-        models = [("MLP 4 x Dense(32)", _steps.mlp(4, 32), 64)]
-    rows, checks = [], []
-    for label, build, batch in models:
-        makers = {kind: (lambda kind=kind: _wrappers.make_sam(kind, ctx.strategy, build, batch))
-                  for kind in ("dm", "hand")}
-        t, built = _compare(ctx, makers)
-        r = t.ratio("dm", "hand").as_dict()
-        rows.append([label, f"{t.median_ms('dm'):.1f}", f"{t.median_ms('hand'):.1f}", fmt(r),
-                     "/".join(str(b.traces) for b in built.values())])
-        checks.append(check(f"10. MirroredStrategy {label}: dm.SAM / hand-written SAM", r, SAM_TARGET))
+    rows, checks = _pair(ctx, lambda kind, build, batch: _wrappers.make_sam(kind, ctx.strategy, build, batch),
+                         ("dm", "hand"), "10. MirroredStrategy {}: dm.SAM / hand-written SAM", SAM_TARGET)
     return {
         "title": "10. SAM: dm.SAM against the hand-written distributed SAM step (MirroredStrategy, 2 CPUs, Adam + clip)",
         "tables": [{"header": ["model", "dm.SAM ms/step", "hand-written ms/step", "dm / hand-written",

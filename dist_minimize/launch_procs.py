@@ -142,23 +142,24 @@ def _stop(procs: list, tree: dict[int, str] | None = None, grace: float = 10.0) 
     SIGKILL to every process descended from a worker that is still alive, in whatever
     group or session (horovodrun and mpirun start ranks in groups of their own)."""
     tree = dict(tree or {})
-    tree.update(_process_tree([p.pid for p in procs]))
-    for p in procs:
-        if p.poll() is None:
-            _signal(p, signal.SIGTERM)
-    for pid in _alive(tree):
-        _kill(pid, signal.SIGTERM)
+    _send(procs, tree, signal.SIGTERM)
     end = time.monotonic() + grace
     while time.monotonic() < end and (any(p.poll() is None for p in procs) or _alive(tree)):
         time.sleep(0.1)
+    _send(procs, tree, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _send(procs: list, tree: dict[int, str], sig) -> None:
+    """`sig` to each running worker's process group, then to every descendant still
+    alive (`tree` first gains the descendants started since it was last read)."""
     tree.update(_process_tree([p.pid for p in procs]))
     for p in procs:
         if p.poll() is None:
-            _signal(p, signal.SIGKILL)
+            _signal(p, sig)
     for pid in _alive(tree):
-        _kill(pid, signal.SIGKILL)
-    for p in procs:
-        p.wait()
+        _kill(pid, sig)
 
 
 def _kill(pid: int, sig) -> None:
