@@ -7,6 +7,7 @@ Public API:
   GradientTransform: base class for transforms with state or configuration.
   aggregation: the backends (`Aggregator`, `StrategyAggregator`, `HorovodAggregator`).
   callbacks: Keras callbacks (`GradientStatsLogger`).
+  Checkpointer (module checkpoint): exact resume after a lost or preempted worker.
   horovod_keras: Keras 3 + Horovod (broadcast, metric averaging, rank-0 output, sharding).
   cluster: rank/size discovery (horovodrun, mpirun, srun, TF_CONFIG), Horovod from mpi4py.
   launcher: horovodrun / mpirun / multi-worker / mirrored launches.
@@ -68,6 +69,8 @@ __all__ = [
     "all_finite",
     "callbacks",
     "check_consistency",
+    "checkpoint",
+    "Checkpointer",
     "cluster",
     "distribute",
     "horovod_keras",
@@ -83,7 +86,7 @@ __all__ = [
 ]
 
 
-_LIGHT = ("launcher", "launch_plan", "launch_procs")  # the submodules that need no TensorFlow
+_LIGHT = ("launcher", "launch_plan", "launch_procs", "launch_report")  # the submodules that need no TensorFlow
 _TRIGGERS = ("keras", "tensorflow")
 
 

@@ -4,8 +4,10 @@ needed (see its docstring) and copies these names into the package; importing it
 registers every serializable class with Keras.
 """
 
-from dist_minimize import aggregation, callbacks, cluster, distribute, horovod_keras, launcher, privacy  # noqa: F401
+from dist_minimize import (  # noqa: F401
+    aggregation, callbacks, checkpoint, cluster, distribute, horovod_keras, launcher, privacy)
 from dist_minimize._compat import MissingDependencyError  # noqa: F401
+from dist_minimize.checkpoint import Checkpointer  # noqa: F401
 from dist_minimize._zones import ContractError  # noqa: F401
 from dist_minimize.fit import integrate  # noqa: F401
 from dist_minimize._finite import all_finite  # noqa: F401

@@ -15,6 +15,10 @@ from typing import Sequence
 LAUNCHERS = ("horovod-gloo", "horovod-mpi", "mpirun", "multiworker", "mirrored")
 
 # Collectives that stall fail the job instead of hanging it (Horovod's stall inspector).
+# Set by the launcher in every worker's environment (and passed on by mpirun's -x):
+# the restart attempt (0 for the first start) and the start-up bound in seconds.
+JOB_ENV = ("DM_RESTART_ATTEMPT", "DM_START_TIMEOUT")
+
 FAIL_FAST_ENV = {
     "HOROVOD_STALL_CHECK_TIME_SECONDS": "30",
     "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60",
@@ -221,8 +225,8 @@ def _mpirun(np, hostfile, host_arg, local, mca, env) -> list[str]:
         cmd += ["--allow-run-as-root"]
     for k, v in (list(LOCAL_MPI_TRANSPORT) if local else []) + mca:
         cmd += ["--mca", k, v]
-    for name in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", *FAIL_FAST_ENV, *env):
-        if name in os.environ or name in FAIL_FAST_ENV or name in env:
+    for name in ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", *FAIL_FAST_ENV, *JOB_ENV, *env):
+        if name in os.environ or name in FAIL_FAST_ENV or name in JOB_ENV or name in env:
             cmd += ["-x", name]
     return cmd
 

@@ -49,6 +49,7 @@ from dist_minimize.launch_plan import (  # noqa: F401  (re-exported, the private
     plan,
     tf_config,
 )
+from dist_minimize.launch_report import BIND_FAILURE, _failure, _forward, describe_status  # noqa: F401
 from dist_minimize.launch_procs import (  # noqa: F401  (re-exported, the private ones too)
     _address,
     _alive,
@@ -65,42 +66,107 @@ from dist_minimize.launch_procs import (  # noqa: F401  (re-exported, the privat
 
 __all__ = [
     "BIND_FAILURE", "COMPAT_RUNNER", "FAIL_FAST_ENV", "LAUNCHERS", "LOCAL_MPI_MCA", "LOCAL_MPI_TRANSPORT",
-    "LOOPBACK_HOSTS", "PORT_RETRIES", "UNBINDABLE", "free_ports", "is_local", "is_loopback", "launch",
+    "LOOPBACK_HOSTS", "PORT_RETRIES", "START_TIMEOUT", "Terminated", "UNBINDABLE", "describe_status",
+    "free_ports", "handle_sigterm", "is_local", "is_loopback", "launch",
     "listening_sockets", "parse_hosts", "plan", "tf_config",
 ]
 
 
-# What TensorFlow's gRPC server reports when a worker's port is taken.
-BIND_FAILURE = "Could not start gRPC server"
 PORT_RETRIES = 3
+START_TIMEOUT = 45.0  # seconds for every multiworker worker to listen on its port
+
+
+class Terminated(Exception):
+    """Raised in the launcher by SIGTERM (`handle_sigterm`): the job is stopped, not restarted."""
+
+
+def handle_sigterm() -> None:
+    """Makes SIGTERM to the launcher stop the job like Ctrl-C: every worker gets SIGTERM
+    (so that a checkpointing worker saves), then SIGKILL after 10 s; exit status 143."""
+    import signal
+
+    def raise_terminated(signum, frame):
+        raise Terminated()
+
+    signal.signal(signal.SIGTERM, raise_terminated)
 
 
 def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = None,
            hostfile: str | None = None, port: int | None = None, timeout: float | None = None,
-           python: str = sys.executable, out=None, child_output=None) -> int:
+           python: str = sys.executable, out=None, child_output=None, max_restarts: int = 0,
+           start_timeout: float | None = START_TIMEOUT) -> int:
     """Runs `script` on `np` processes with `launcher`; returns the job's exit status.
 
-    The first worker to exit non-zero sets the status and the others are stopped
-    (SIGTERM, then SIGKILL after 10 s, to every process of the job, including those a
-    launcher such as horovodrun or mpirun started). Past `timeout` seconds every process
-    is killed and the status is 124. Any exception while the job runs (Ctrl-C, a test
-    runner's timeout) also stops every process of the job before it propagates. The
-    commands are printed first, exactly as run, to `out` (default: stdout); the
-    workers' own output goes to `child_output` (a file) if given, else to this
-    process's stdout. With the multiworker launcher and ports chosen here (no `port`),
-    a worker that cannot bind its port (another process took it in between) makes the
-    job start again on new ports, up to 3 times.
+    The first worker to fail (a non-zero exit status or a signal) sets the status and
+    the others are stopped (SIGTERM, then SIGKILL after 10 s, to every process of the job,
+    including those a launcher such as horovodrun or mpirun started); the failure is
+    reported with the worker or rank and how it ended (exit status or signal name). With
+    `max_restarts` N > 0, a failed job (exit status 42, "preempted, restart me",
+    included) is started again, whole and with the same arguments, up to N times; each
+    worker finds the attempt number in `DM_RESTART_ATTEMPT` (0 first). Past `timeout`
+    seconds every process is killed and the status is 124 (no restart); an interrupt
+    (Ctrl-C: 130, SIGTERM after `handle_sigterm`: 143) stops every process and is not
+    restarted either; any other exception also stops every process before it
+    propagates. The commands are printed first, exactly as run, to `out` (default:
+    stdout); the workers' own output goes to `child_output` (a file) if given, else to
+    this process's stdout. With the multiworker launcher: ports chosen here (no `port`)
+    that a worker cannot bind (another process took one in between) make the job start
+    again on new ports, up to 3 times, and a worker whose port is not listening after
+    `start_timeout` seconds fails the job, named.
     """
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"`max_restarts` must be an integer >= 0. Received: max_restarts={max_restarts!r}")
+    if start_timeout is not None and not start_timeout > 0:
+        raise ValueError(f"`start_timeout` must be > 0 seconds. Received: start_timeout={start_timeout!r}")
     out = out if out is not None else sys.stdout
-    attempts = PORT_RETRIES + 1 if (launcher == "multiworker" and port is None) else 1
-    for attempt in range(attempts):
-        status, bind_failed = _launch_once(launcher, np, script, hosts, hostfile, port, timeout,
-                                           python, out, child_output)
-        if status == 0 or not bind_failed or attempt == attempts - 1:
+    job = (launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output, start_timeout)
+    for attempt in range(max_restarts + 1):
+        status, failure = _attempt(job, attempt)
+        if status == 0 or failure is None or attempt == max_restarts:
             return status
-        print(f"[launch] a worker could not bind its port ({BIND_FAILURE}); another process took it. "
-              "Retrying on new ports", file=out, flush=True)
+        print(f"[launch] restart {attempt + 1} of {max_restarts} after {failure}: starting the whole job again",
+              file=out, flush=True)
+        if port:
+            _wait_ports_free(port, np, out)
     return status
+
+
+def _attempt(job, attempt: int):
+    """One start of the job (with new ports while a chosen port is taken): (status, failure)."""
+    launcher, port, out = job[0], job[5], job[8]
+    tries = PORT_RETRIES + 1 if (launcher == "multiworker" and port is None) else 1
+    for i in range(tries):
+        status, failure, seen = _launch_once(job, attempt)
+        taken = seen.get("bind_failed")
+        if status == 0 or taken is None:
+            break
+        if port is not None:
+            print(f"[launch] port {taken} is taken by another process; choose another --port, or leave --port "
+                  "out and the launcher picks free ports", file=out, flush=True)
+            return status, None
+        if i < tries - 1:
+            print(f"[launch] port {taken} was taken by another process after it was chosen ({BIND_FAILURE}); "
+                  "starting again on new ports", file=out, flush=True)
+    return status, failure
+
+
+def _wait_ports_free(port: int, np: int, out, bound: float = 60.0) -> None:
+    """Waits until the multiworker ports port..port+np-1 can be bound again."""
+    import socket
+
+    deadline = time.monotonic() + bound
+    for p in range(port, port + np):
+        while True:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        print(f"[launch] port {p} still busy after {bound:.0f} s; starting anyway", file=out,
+                              flush=True)
+                        return
+            time.sleep(0.5)
 
 
 def _job_dirs() -> tuple[str, str | None]:
@@ -117,86 +183,81 @@ def _job_dirs() -> tuple[str, str | None]:
     return tmpdir, shm
 
 
-def _launch_once(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output):
+def _launch_once(job, attempt: int):
     tmpdir, shm = _job_dirs()
     try:
-        return _run_job(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output,
-                        tmpdir, shm)
+        return _run_job(job, attempt, tmpdir, shm)
     finally:
         for d in (tmpdir, shm):
             if d:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _run_job(launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output, tmpdir, shm):
+def _run_job(job, attempt, tmpdir, shm):
+    """Starts and supervises one attempt: (status, failure description or None, what the
+    workers' output said: a port taken, the rank a launcher reported failed)."""
+    launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output, start_timeout = job
     steps = plan(launcher, np, script, hosts, hostfile, port, python, tmpdir=tmpdir, shm_dir=shm)
     base_env = dict(os.environ)
     for k, v in FAIL_FAST_ENV.items():
         base_env.setdefault(k, v)
+    base_env["DM_RESTART_ATTEMPT"] = str(attempt)
+    base_env["DM_START_TIMEOUT"] = f"{start_timeout or 0:g}"
     for cmd, extra in steps:
         prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in extra.items())
         print(f"[launch] {prefix + ' ' if prefix else ''}{shlex.join(cmd)}", file=out, flush=True)
-    # multiworker: each worker's output is read as it comes (no pipe ever fills) and
-    # forwarded, watching for a port that could not be bound.
-    watch = launcher == "multiworker"
+    # Each process's output is read as it comes (no pipe ever fills) and forwarded,
+    # watching for a port that could not be bound and for the rank a launcher names.
     sink = child_output if child_output is not None else sys.stdout
-    procs, readers, seen = [], [], {"bind_failed": False}
+    ports = [_tf_config_port(extra) for _, extra in steps]
+    procs, readers, seen = [], [], {}
     try:
-        for cmd, extra in steps:
-            if watch:
-                redirect = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
-            elif child_output:
-                redirect = {"stdout": child_output, "stderr": subprocess.STDOUT}
-            else:
-                redirect = {}
-            p = subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True, **redirect)
+        for i, (cmd, extra) in enumerate(steps):
+            p = subprocess.Popen(cmd, env={**base_env, **extra}, start_new_session=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             procs.append(p)
-            if watch:
-                readers.append(_forward(p.stdout, sink, seen))
+            readers.append(_forward(p.stdout, sink, seen, ports[i]))
         names = [os.path.basename(cmd[0]) if len(steps) == 1 else f"worker {i}"
                  for i, (cmd, _) in enumerate(steps)]
-        status = _supervise(procs, names, timeout, out, UNBINDABLE.get(launcher))
+        starting = ({i: p for i, p in enumerate(ports) if p} if launcher == "multiworker" and start_timeout
+                    else {})
+        status, failed = _supervise(procs, names, timeout, out, UNBINDABLE.get(launcher), starting, start_timeout)
     except BaseException:
         _stop(procs)
         raise
     finally:
         for t in readers:
             t.join(timeout=5)
-    return status, seen["bind_failed"]
+    failure = None if failed is None else _failure(names[failed], status, seen)
+    if failure is not None:
+        others = "; the others were stopped" if len(procs) > 1 else ""
+        print(f"[launch] failed: {failure}{others}", file=out, flush=True)
+    # A worker killed by a signal (Popen's negative status) ends the job with 128 + signal.
+    return (status if status >= 0 else 128 - status), failure, seen
 
 
-def _forward(stream, sink, seen):
-    import threading
+def _tf_config_port(extra: dict) -> int | None:
+    import json
 
-    def run():
-        for raw in iter(stream.readline, b""):
-            if BIND_FAILURE.encode() in raw:
-                seen["bind_failed"] = True
-            try:
-                if hasattr(sink, "buffer"):
-                    sink.buffer.write(raw)
-                    sink.flush()
-                elif "b" in getattr(sink, "mode", ""):
-                    sink.write(raw)
-                    sink.flush()
-                else:
-                    sink.write(raw.decode(errors="replace"))
-                    sink.flush()
-            except (OSError, ValueError):
-                pass
-        stream.close()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+    if "TF_CONFIG" not in extra:
+        return None
+    config = json.loads(extra["TF_CONFIG"])
+    return int(config["cluster"]["worker"][config["task"]["index"]].rsplit(":", 1)[1])
 
 
-def _supervise(procs: list, names: list, timeout: float | None, out, why: str | None = None) -> int:
+def _supervise(procs: list, names: list, timeout: float | None, out, why: str | None = None,
+               starting: dict | None = None, start_timeout: float | None = None):
     """Waits for the job; stops every process of it however this ends (BaseException
     included: pytest-timeout's `Failed`, KeyboardInterrupt, SystemExit). Every second,
-    each port of the job listening beyond loopback is named once (`why`: the cause)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    status = 0
+    each port of the job listening beyond loopback is named once (`why`: the cause), and
+    the workers of `starting` ({index: port}) that listen are crossed off: one still
+    missing after `start_timeout` seconds fails the job. Returns (status, as Popen gives
+    it: negative for a signal; the index of the failed worker, or None when nothing failed
+    or the job was interrupted or timed out)."""
+    begin = time.monotonic()
+    deadline = None if timeout is None else begin + timeout
+    starting = dict(starting or {})
+    status, failed = 0, None
     tree: dict[int, str] = {}
     reported: set = set()
     next_scan = 0.0
@@ -205,17 +266,22 @@ def _supervise(procs: list, names: list, timeout: float | None, out, why: str | 
             if time.monotonic() >= next_scan:  # remember the job's processes while they run
                 tree.update(_process_tree([p.pid for p in procs]))
                 _report_exposed([p.pid for p in procs] + _alive(tree), reported, why, out)
+                missing = _not_listening(procs, starting)
+                if missing and time.monotonic() - begin > start_timeout:
+                    text = ", ".join(f"worker {i} (nothing listens on 127.0.0.1:{starting[i]})" for i in missing)
+                    print(f"[launch] not every worker started within {start_timeout:g} s: {text}; stopping the job",
+                          file=out, flush=True)
+                    status, failed = 1, missing[0]
+                    break
                 next_scan = time.monotonic() + 1.0
             codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i, status = failed[0]
-                others = "; stopping the others" if len(procs) > 1 else ""
-                print(f"[launch] {names[i]} exited with status {status}{others}", file=out, flush=True)
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed, status = bad[0]
                 break
             if all(c == 0 for c in codes):
                 _stop(procs, tree)  # only stray children of a launcher, if any, are left
-                return 0
+                return 0, None
             if deadline is not None and time.monotonic() > deadline:
                 print(f"[launch] timed out after {timeout:.0f} s; killing every worker", file=out, flush=True)
                 status = 124
@@ -223,8 +289,20 @@ def _supervise(procs: list, names: list, timeout: float | None, out, why: str | 
             time.sleep(0.2)
     except KeyboardInterrupt:
         status = 130
+    except Terminated:
+        print("[launch] SIGTERM: stopping every worker (SIGTERM, SIGKILL after 10 s)", file=out, flush=True)
+        status = 143
     except BaseException:
         _stop(procs, tree)
         raise
     _stop(procs, tree)
-    return status if status > 0 else 128 + abs(status)
+    return status, failed
+
+
+def _not_listening(procs: list, starting: dict) -> list[int]:
+    """Crosses off the workers of `starting` whose port now listens; the others, sorted."""
+    for i in list(starting):
+        pids = [procs[i].pid, *_process_tree([procs[i].pid])]
+        if any(address.endswith(f":{starting[i]}") for _, _, address in listening_sockets(pids)):
+            del starting[i]
+    return sorted(starting)

@@ -19,7 +19,17 @@ Wrappers (issue 10), outermost first: `--moving-average D` keeps an exponential 
 average of the weights (the test accuracy is also reported with the averages),
 `--dp-noise-multiplier S` trains with DP-SGD (per-example clipping to `--dp-l2-norm-clip`,
 noise added once to the global sum; prints epsilon for `--dp-delta` at the end),
-`--weight-decay W` decays every kernel (not the biases) before each update.
+`--weight-decay W` decays every kernel (not the biases) before each update, and
+`--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`).
+
+Fault tolerance (issue 25, docs/fault-tolerance.md): `--checkpoint-dir DIR` resumes from
+the newest checkpoint in DIR and saves into it every `--checkpoint-every` batches and on
+SIGTERM (then exits with 42, "restart me": `launch/launch.py --max-restarts N` starts the
+job again). The run ends by printing `[train] weights fingerprint <hex>` and `[train]
+optimizer fingerprint <hex>` (SHA-256 of the final values' bytes), equal for an
+interrupted-and-resumed run and an uninterrupted one. `--fail-at STEP` (with
+`--fail-rank`, `--fail-signal`, `--fail-in-save`) makes one process fail on purpose, in
+the first attempt only, for the tests and the kill-point table.
 """
 
 from __future__ import annotations
@@ -50,7 +60,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DP-SGD: dm.DifferentialPrivacy with this noise multiplier (0: clipping only)")
     p.add_argument("--dp-l2-norm-clip", type=float, default=1.0, help="DP-SGD: per-example clipping norm")
     p.add_argument("--dp-delta", type=float, default=1e-5, help="DP-SGD: the delta epsilon is reported for")
+    p.add_argument("--accumulate", type=int, default=None, metavar="K",
+                   help="dm.GradientAccumulation(steps=K): one update per K batches")
+    p.add_argument("--checkpoint-dir", default=None, help="resume from / save checkpoints into this directory")
+    p.add_argument("--checkpoint-every", type=int, default=5, help="batches between checkpoints (default 5)")
+    p.add_argument("--fail-at", type=int, default=None, metavar="STEP",
+                   help="(testing) after this many batches, --fail-rank fails with --fail-signal (first attempt only)")
+    p.add_argument("--fail-rank", type=int, default=1, help="(testing) the rank or worker that fails")
+    p.add_argument("--fail-signal", choices=["KILL", "TERM"], default="KILL", help="(testing) how it fails")
+    p.add_argument("--fail-in-save", action="store_true",
+                   help="(testing) fail inside the first checkpoint write at or after --fail-at, before its rename")
     args = p.parse_args(argv)
+    if args.accumulate is not None and args.accumulate < 1:
+        p.error(f"--accumulate must be >= 1. Received: --accumulate={args.accumulate}")
+    if args.checkpoint_every < 1:
+        p.error(f"--checkpoint-every must be >= 1. Received: --checkpoint-every={args.checkpoint_every}")
     if args.replicas < 1:
         p.error(f"--replicas must be >= 1. Received: --replicas={args.replicas}")
     if not args.clip_norm > 0:
@@ -115,6 +139,8 @@ def build_model(keras, args):
     lr = args.learning_rate or (1e-2 if args.optimizer == "adam" else 0.2)
     inner = keras.optimizers.Adam(lr) if args.optimizer == "adam" else keras.optimizers.SGD(lr)
     optimizer = dm.Optimizer(inner, transform_gradients=dm.clip_by_global_norm(args.clip_norm))
+    if args.accumulate is not None:
+        optimizer = dm.GradientAccumulation(optimizer, steps=args.accumulate)
     if args.weight_decay is not None:
         optimizer = dm.DecoupledWeightDecay(optimizer, args.weight_decay, exclude_from_weight_decay=["bias"])
     if private(args):
@@ -146,6 +172,8 @@ def describe_wrappers(args) -> str:
                      f"noise_multiplier={args.dp_noise_multiplier})")
     if args.weight_decay is not None:
         parts.append(f"DecoupledWeightDecay({args.weight_decay})")
+    if args.accumulate is not None:
+        parts.append(f"GradientAccumulation({args.accumulate})")
     return ("; wrappers " + " > ".join(parts)) if parts else ""
 
 
@@ -167,6 +195,84 @@ def report(args, model, optimizer, evaluate, steps: int, train_size: int) -> Non
             print(f"[train] DP-SGD: epsilon {eps:.3f} at delta {args.dp_delta:g} (noise multiplier "
                   f"{args.dp_noise_multiplier}, sampling rate {q:.4g}, {steps} steps; RDP accountant of "
                   "dp-accounting)", flush=True)
+
+
+def fingerprint(values) -> str:
+    """SHA-256 (first 16 hex digits) of the values' bytes, in order."""
+    import hashlib
+
+    import numpy as np
+
+    h = hashlib.sha256()
+    for v in values:
+        h.update(np.ascontiguousarray(np.asarray(v)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def print_fingerprints(model, optimizer, root: bool) -> None:
+    """The final weights' and optimizer variables' fingerprints (read on every worker:
+    under MultiWorkerMirroredStrategy reading a replica-local variable is a collective)."""
+    weights = fingerprint(model.get_weights())
+    state = fingerprint([v.numpy() for v in optimizer.variables])
+    if root:
+        print(f"[train] weights fingerprint {weights}", flush=True)
+        print(f"[train] optimizer fingerprint {state}", flush=True)
+
+
+class Fault:
+    """--fail-at: this process fails after `--fail-at` batches (or inside the first
+    checkpoint write at or after it), in the launcher's first attempt only."""
+
+    def __init__(self, args, rank: int):
+        first = os.environ.get("DM_RESTART_ATTEMPT", "0") == "0"
+        self.at = args.fail_at if (first and args.fail_at is not None and rank == args.fail_rank) else None
+        self.sig = args.fail_signal
+        self.in_save = args.fail_in_save
+
+    def after_batch(self, step: int) -> None:
+        if self.at is not None and step == self.at and not self.in_save:
+            self.fire(f"after batch {step}")
+
+    def fire(self, where: str) -> None:
+        import signal
+
+        print(f"[train] --fail-at: SIG{self.sig} to this process {where}", flush=True)
+        os.kill(os.getpid(), getattr(signal, f"SIG{self.sig}"))
+
+    def watch_saves(self, ckpt) -> None:
+        if self.at is None or not self.in_save:
+            return
+        write = ckpt.write_files
+
+        def write_then_fail(path):
+            write(path)
+            if ckpt.step >= self.at:
+                self.fire(f"inside the checkpoint write of batch {ckpt.step}, before its rename")
+        ckpt.write_files = write_then_fail
+
+    def callback(self, ckpt):
+        """For fit, before the Checkpointer's own callback (which counts the batch)."""
+        import keras
+
+        fault = self
+
+        class FailAt(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                fault.after_batch(ckpt.step + 1)
+
+        return FailAt()
+
+
+def checkpointer(args, model, optimizer, rank: int):
+    import dist_minimize as dm
+
+    ckpt = dm.Checkpointer(args.checkpoint_dir, model, optimizer, every=args.checkpoint_every)
+    found = dm.checkpoint.latest(args.checkpoint_dir)
+    if found and rank == 0:
+        print(f"[train] resumed after batch {found[0]} from {found[1]}", flush=True)
+    fault = Fault(args, rank)
+    fault.watch_saves(ckpt)
+    return ckpt, fault
 
 
 def run_fit(args, strategy=None) -> float:
@@ -214,12 +320,16 @@ def run_fit(args, strategy=None) -> float:
     # which Horovod's collectives cannot run in) turned off with a logged reason.
     dm.integrate(model)
     callbacks.append(dm.callbacks.GradientStatsLogger())
-    model.fit(train, epochs=args.epochs, verbose=verbose, shuffle=False, callbacks=callbacks)
+    # Resumes from --checkpoint-dir, skipping the batches already trained; saves every
+    # --checkpoint-every batches and on SIGTERM (then exits with 42).
+    ckpt, fault = checkpointer(args, model, optimizer, rank if strategy is None else 0)
+    ckpt.fit(train, epochs=args.epochs, verbose=verbose, shuffle=False, callbacks=callbacks + [fault.callback(ckpt)])
     test = tf.data.Dataset.from_tensor_slices((x_test, y_test)).batch(args.global_batch)
 
     def evaluate():
         return model.evaluate(test, verbose=0)[1]
 
+    print_fingerprints(model, optimizer, bool(verbose))
     accuracy = evaluate()
     if verbose:
         print(f"[train] test accuracy {accuracy:.4f}", flush=True)
@@ -235,7 +345,6 @@ def run_multiworker(args) -> float:
     import numpy as np
     import tensorflow as tf
 
-    import dist_minimize as dm
 
     timeout = float(os.environ.get("DM_COLLECTIVE_TIMEOUT", "60"))
     strategy = tf.distribute.MultiWorkerMirroredStrategy(
@@ -248,21 +357,26 @@ def run_multiworker(args) -> float:
     (x_train, y_train), (x_test, y_test) = load_digits(args.seed)
     steps = len(x_train) // args.global_batch
 
-    def dataset_fn(ctx):
-        per_replica = ctx.get_per_replica_batch_size(args.global_batch)
-        ds = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shard(
-            ctx.num_input_pipelines, ctx.input_pipeline_id)
-        return ds.batch(per_replica, drop_remainder=True).repeat()
-
     with strategy.scope():
         model, optimizer = build_model(keras, args)
         optimizer.build(model.trainable_variables)
         loss_obj = loss_object(keras, args, reduction="none")
     clip = optimizer.stack()[-1].transforms[-1]
+    ckpt, fault = checkpointer(args, model, optimizer, task)
+    start = ckpt.restore()  # batches already trained (0 without a checkpoint)
     if task == 0:
         print(f"[train] MultiWorkerMirroredStrategy, {n} workers; global batch {args.global_batch}; "
               f"clip_by_global_norm({args.clip_norm}) after aggregation; custom loop{describe_wrappers(args)}",
               flush=True)
+
+    def dataset_fn(ctx):
+        per_replica = ctx.get_per_replica_batch_size(args.global_batch)
+        ds = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shard(
+            ctx.num_input_pipelines, ctx.input_pipeline_id)
+        # One stream over every epoch; a resumed run skips what was trained (one batch
+        # per local replica and step).
+        replicas_here = ctx.num_replicas_in_sync // ctx.num_input_pipelines
+        return ds.batch(per_replica, drop_remainder=True).repeat().skip(start * replicas_here)
 
     @tf.function
     def step(batch):
@@ -281,15 +395,23 @@ def run_multiworker(args) -> float:
         return strategy.reduce("SUM", strategy.run(replica_step, args=batch), axis=None)
 
     it = iter(strategy.distribute_datasets_from_function(dataset_fn))
-    for epoch in range(args.epochs):
-        before = {k: float(v) for k, v in clip.stats().items()}
-        losses = [float(step(next(it))) for _ in range(steps)]
-        after = {k: float(v) for k, v in clip.stats().items()}
-        d = {k: after[k] - before[k] for k in after}
-        if task == 0:
-            print(f"Epoch {epoch + 1}/{args.epochs}: loss {np.mean(losses):.4f} - grad_norm "
-                  f"{d['norm_sum'] / max(d['steps'], 1):.4g} - clipped_share "
-                  f"{d['clipped_steps'] / max(d['steps'], 1):.4g}", flush=True)
+    before, losses = {k: float(v) for k, v in clip.stats().items()}, []
+    for i in range(start, steps * args.epochs):
+        losses.append(float(step(next(it))))
+        fault.after_batch(i + 1)
+        if ckpt.step_done():  # a stop (SIGTERM) agreed by every worker, and saved
+            ckpt.exit()
+        if (i + 1) % steps == 0:
+            after = {k: float(v) for k, v in clip.stats().items()}
+            d = {k: after[k] - before[k] for k in after}
+            if task == 0:
+                print(f"Epoch {(i + 1) // steps}/{args.epochs}: loss {np.mean(losses):.4f} - grad_norm "
+                      f"{d['norm_sum'] / max(d['steps'], 1):.4g} - clipped_share "
+                      f"{d['clipped_steps'] / max(d['steps'], 1):.4g}", flush=True)
+            before, losses = after, []
+    ckpt.finish()
+    print_fingerprints(model, optimizer, task == 0)
+
     def evaluate():
         return float(np.mean(np.argmax(model(x_test, training=False), axis=-1) == y_test))
 

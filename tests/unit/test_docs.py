@@ -28,7 +28,7 @@ README = os.path.join(ROOT, "README.md")
 DOCS = os.path.join(ROOT, "docs")
 PAGES = [README] + sorted(glob.glob(os.path.join(DOCS, "*.md")))
 REQUIRED_PAGES = ("index", "pipeline", "transforms", "keras-settings", "wrappers", "writing-a-wrapper",
-                  "backends", "horovod-keras", "launching", "security", "testing", "api")
+                  "backends", "horovod-keras", "launching", "fault-tolerance", "security", "testing", "api")
 README_LIMIT = 12 * 1024
 NOT_RUN = "# not run:"
 MAX_NOT_RUN = 4  # blocks that cannot run here; more means examples that are not checked

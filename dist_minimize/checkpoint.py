@@ -1,0 +1,419 @@
+"""Exact resume at step granularity: `Checkpointer` saves the model, the whole optimizer
+stack and the input position every `every` batches and when the job is asked to stop
+(SIGTERM), and a restarted job continues from the exact batch, ending with the same
+weights and optimizer variables as a run never interrupted (bit for bit on CPU).
+
+How exactness is kept, by construction:
+
+* **Saves happen only at update boundaries.** With a `GradientAccumulation` in the
+  stack, a save waits for the end of the accumulation window, where every replica-local
+  accumulator is zero; so the chief's file holds the whole state, and no sum of
+  per-replica values is ever split back into shares. `save` checks the stack's
+  micro-step counter and refuses a save inside a window.
+* **Every worker takes part in the same save at the same step.** A stop request (a
+  signal to any one worker) is agreed at the next update boundary with one tiny
+  collective among the workers (none inside a window, none in one process); under
+  MultiWorkerMirroredStrategy every worker then writes (TensorFlow's save reads
+  replica-local variables with a collective), the chief into the checkpoint directory
+  and the others into temporary directories inside it that are removed at once. Under
+  Horovod rank 0 writes alone.
+* **Atomic writes.** A checkpoint is written into `DIR/.tmp-ckpt-N`, synced, and renamed
+  to `DIR/ckpt-N`: a crash during a write leaves the previous checkpoint the newest.
+* **The input is one stream.** `fit` trains on `dataset.repeat()` with `steps_per_epoch`
+  (one iterator across epochs), in the uninterrupted run too, and a resumed run skips
+  the batches already trained (`stream.skip(step)`), so it sees exactly the batches the
+  uninterrupted run sees next. The dataset must be deterministic (a seeded shuffle).
+
+Usage with `fit`::
+
+    ckpt = dm.Checkpointer("/shared/run1", model, every=100)
+    ckpt.fit(train_dataset, epochs=5)          # restores, trains, saves; exits 42 on SIGTERM
+
+and in a custom loop::
+
+    ckpt = dm.Checkpointer(directory, model, optimizer, every=100)
+    start = ckpt.restore()                     # batches already trained (0 at first)
+    it = iter(stream.skip(start))
+    for _ in range(start, total_batches):
+        train_step(next(it))
+        if ckpt.step_done():                   # a stop was requested and saved
+            ckpt.exit()                        # exit status 42: "restart me"
+    ckpt.finish()                              # the final save
+
+See docs/fault-tolerance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from dist_minimize import distribute
+
+PREFIX = "ckpt-"
+RESTART_EXIT_CODE = 42  # TensorFlow's and Kubernetes' convention for "preempted, restart me"
+
+
+def latest(directory: str) -> tuple[int, str] | None:
+    """(batches trained, path) of the newest complete checkpoint in `directory`, or None.
+    Only renamed, complete checkpoints count (`ckpt-N`); a `.tmp-*` left by a crash is ignored."""
+    if not directory or not os.path.isdir(directory):
+        return None
+    found = [(int(name[len(PREFIX):]), os.path.join(directory, name)) for name in os.listdir(directory)
+             if name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
+             and os.path.exists(os.path.join(directory, name, "meta.json"))]
+    return max(found) if found else None
+
+
+class Checkpointer:
+    """Saves and restores a Keras model with its dist_minimize optimizer stack and the
+    input position, for exact resumption after a lost or preempted worker.
+
+    Args:
+      directory: where checkpoints go (`DIR/ckpt-N`, N = batches trained); one directory
+        that every worker reads (this machine, or a shared filesystem). None: train
+        through the same input stream and agree on stops, but save nothing.
+      model: a built Keras model.
+      optimizer: its optimizer (default: `model.optimizer`).
+      every: save every `every` batches (micro-batches with accumulation), at the next
+        update boundary.
+      keep: how many checkpoints to keep (older ones are removed by the chief).
+      grace: seconds a process may take, after SIGTERM, to reach a boundary, save and exit
+        before it exits anyway (a process blocked on a dead peer). Keep it below the
+        launcher's 10 s.
+      exit_code: the status `exit` ends the process with after a stop (42: restart me).
+    """
+
+    def __init__(self, directory: str | None, model: keras.Model, optimizer: Any = None, every: int = 100,
+                 keep: int = 2, grace: float = 8.0, exit_code: int = RESTART_EXIT_CODE):
+        if not isinstance(model, keras.Model):
+            raise TypeError(f"`model` must be a Keras model. Received: model={model!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"`every` must be an integer >= 1. Received: every={every!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"`keep` must be an integer >= 1. Received: keep={keep!r}")
+        self.directory = os.path.abspath(directory) if directory else None
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else model.optimizer
+        if self.optimizer is None:
+            raise ValueError("`optimizer` is None and the model has none: compile the model or pass `optimizer`.")
+        self.every, self.keep, self.exit_code = every, keep, exit_code
+        self.step = 0  # batches trained since the job began
+        self.stopping = False
+        self._saved = 0
+        self._micro = _micro_steps(self.optimizer)
+        self._strategy = model.distribute_strategy
+        self._agree_fn = None
+        self._watcher = _StopWatcher(grace)
+
+    # -- the position ---------------------------------------------------------------------
+
+    def restore(self) -> int:
+        """Restores the newest complete checkpoint (model, optimizer stack, position) and
+        returns the number of batches already trained (0 when there is none)."""
+        self._build()
+        found = latest(self.directory)
+        if self._is_writer() and self.directory:
+            _remove_temporaries(self.directory)
+        if found is None:
+            return 0
+        step, path = found
+        self._checkpoint().read(os.path.join(path, "state")).assert_existing_objects_matched()
+        self.step = self._saved = step
+        return step
+
+    def step_done(self) -> bool:
+        """Call after every batch (micro-batch). Saves when one is due; returns True when a
+        stop was requested (on any worker), agreed and saved: leave the loop then."""
+        self.step += 1
+        if self.step % self._micro:
+            return False  # inside an accumulation window: nothing is saved, nothing agreed
+        self.stopping = self._any_worker(self._watcher.requested())
+        if self.stopping or (self.directory and self.step - self._saved >= self.every):
+            self.save()
+        return self.stopping
+
+    def save(self) -> str | None:
+        """Writes a checkpoint of the current state (every worker calls it). Returns its
+        path (None without a directory or on a worker that does not write)."""
+        if not self.directory:
+            return None
+        self._check_boundary()
+        name = f"{PREFIX}{self.step:09d}"
+        writer = self._is_writer()
+        tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
+        if not writer and distribute.horovod_size() > 1:
+            self._saved = self.step
+            return None  # Horovod: rank 0 writes alone (the accumulators are zero here)
+        os.makedirs(self.directory, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            self.write_files(tmp)
+            if writer:
+                final = os.path.join(self.directory, name)
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(tmp, final)
+                _sync(self.directory)
+                self._prune()
+        finally:
+            if not writer:
+                shutil.rmtree(tmp, ignore_errors=True)
+        self._saved = self.step
+        return os.path.join(self.directory, name) if writer else None
+
+    def write_files(self, path: str) -> None:
+        """Writes the state and `meta.json` into the new directory `path`, synced."""
+        self._checkpoint().write(os.path.join(path, "state"))
+        with open(os.path.join(path, "meta.json"), "w") as f:
+            json.dump({"step": self.step, "updates": int(self.optimizer.iterations.numpy()),
+                       "micro_steps_per_update": self._micro}, f)
+        for name in os.listdir(path):
+            _sync(os.path.join(path, name))
+        _sync(path)
+
+    def exit(self) -> None:
+        """Ends this process with `exit_code` after a stop, once every worker is here."""
+        self._any_worker(False)  # a barrier: no worker leaves while another still writes
+        self.close()
+        if _task_count() > 1 and distribute.horovod_size() <= 1:
+            from dist_minimize import cluster
+
+            cluster.exit_worker(self.exit_code)
+        sys.stdout.flush()
+        sys.exit(self.exit_code)
+
+    def finish(self) -> None:
+        """At the end of training: saves the final state (when it is at an update boundary
+        and not saved yet; every worker calls it) and puts the signal handling back."""
+        if self.step > self._saved and self.step % self._micro == 0:
+            self.save()
+        self.close()
+
+    def close(self) -> None:
+        """Puts the signal handling back as it was."""
+        self._watcher.close()
+
+    # -- model.fit ------------------------------------------------------------------------
+
+    def fit(self, x: tf.data.Dataset, epochs: int = 1, steps_per_epoch: int | None = None,
+            callbacks: list | None = None, **kwargs):
+        """`model.fit` with exact resume: restores, skips the batches already trained,
+        saves every `every` batches and at the end, and on an agreed stop saves and exits
+        with `exit_code`. `x`: a dataset of one epoch's batches (or, with
+        `steps_per_epoch`, an endless stream). Returns the last `fit`'s History."""
+        if not isinstance(x, tf.data.Dataset):
+            raise TypeError(f"`x` must be a tf.data.Dataset. Received: {type(x).__name__}")
+        if getattr(self.model, "steps_per_execution", 1) != 1:
+            raise ValueError("Checkpointer.fit needs steps_per_execution=1 (it counts batches in "
+                             f"on_train_batch_end). Received: steps_per_execution={self.model.steps_per_execution}")
+        per_epoch = steps_per_epoch or int(x.cardinality().numpy())
+        if per_epoch <= 0:
+            raise ValueError("The dataset's length is unknown or infinite: pass `steps_per_epoch`. "
+                             f"Received: cardinality {per_epoch}")
+        stream = x if steps_per_epoch else x.repeat()
+        try:
+            history = self._fit(stream, per_epoch, epochs, list(callbacks or []) + [_Callback(self)], kwargs)
+        except BaseException:
+            self.close()
+            raise
+        if self.stopping:
+            self.exit()
+        self.finish()
+        return history
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _fit(self, stream, per_epoch: int, epochs: int, callbacks: list, kwargs: dict):
+        epoch, batch = divmod(self.restore(), per_epoch)
+        history = None
+        if batch and epoch < epochs:  # the rest of the interrupted epoch
+            history = self.model.fit(stream.skip(self.step), epochs=epoch + 1, initial_epoch=epoch,
+                                     steps_per_epoch=per_epoch - batch, callbacks=callbacks, **kwargs)
+            epoch += 1
+        if not self.stopping and epoch < epochs:
+            history = self.model.fit(stream.skip(epoch * per_epoch), epochs=epochs, initial_epoch=epoch,
+                                     steps_per_epoch=per_epoch, callbacks=callbacks, **kwargs)
+        return history
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+    def _build(self) -> None:
+        if not self.model.built:
+            raise ValueError("The model must be built before restoring into it (call it once, or give "
+                             "it a keras.Input).")
+        if not self.optimizer.built:
+            with self._strategy.scope():
+                self.optimizer.build(self.model.trainable_variables)
+
+    def _checkpoint(self) -> tf.train.Checkpoint:
+        return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
+
+    def _check_boundary(self) -> None:
+        for opt in _stack(self.optimizer):
+            counter = getattr(opt, "micro_step", None)
+            steps = getattr(opt, "micro_steps_per_update", 1)
+            if counter is not None and int(counter.numpy()) % steps:
+                raise ValueError(
+                    f"A checkpoint can only be taken at an update boundary, where {type(opt).__name__}'s "
+                    f"replica-local accumulators are empty; its micro_step is {int(counter.numpy())} with "
+                    f"steps={steps}. Call step_done() once per batch, from the first batch on.")
+
+    def _is_writer(self) -> bool:
+        return _task() == 0
+
+    def _prune(self) -> None:
+        names = sorted(n for n in os.listdir(self.directory) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
+        for name in names[:-self.keep]:
+            shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+    def _any_worker(self, flag: bool) -> bool:
+        """True on every worker when `flag` is True on any (one collective; none in one process)."""
+        hvd = distribute.horovod()
+        if hvd is not None and hvd.size() > 1:
+            return int(hvd.allreduce(tf.constant(int(flag)), op=hvd.Sum, name="dm_checkpoint_agree")) > 0
+        if _task_count() > 1:
+            if self._agree_fn is None:
+                strategy = self._strategy
+
+                @tf.function
+                def agree(value):
+                    per_replica = strategy.run(lambda: tf.identity(value))
+                    return strategy.reduce("SUM", per_replica, axis=None)
+                self._agree_fn = agree
+            return int(self._agree_fn(tf.constant(int(flag)))) > 0
+        return flag
+
+
+class _Callback(keras.callbacks.Callback):
+    def __init__(self, checkpointer: Checkpointer):
+        super().__init__()
+        self.checkpointer = checkpointer
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.checkpointer.step_done():
+            self.model.stop_training = True
+
+
+class _StopWatcher:
+    """Records SIGTERM as a stop request. A thread woken through `signal.set_wakeup_fd`
+    sees the signal even while the main thread is blocked inside TensorFlow (a collective
+    waiting for a dead peer) and ends the process with 128 + signal after `grace` seconds
+    if it has not exited (or `close`d the watcher) by then."""
+
+    SIGNALS = (signal.SIGTERM,)
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self._event = threading.Event()
+        self._closed = threading.Event()
+        self._timer = None
+        self._old = None
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach the main thread only: stops then come from other workers
+        read, self._write = os.pipe()
+        os.set_blocking(self._write, False)
+        self._old = ({s: signal.signal(s, self._handler) for s in self.SIGNALS}, signal.set_wakeup_fd(self._write))
+        threading.Thread(target=self._watch, args=(read,), daemon=True, name="dm-stop-watcher").start()
+
+    def _handler(self, signum, frame) -> None:
+        self._event.set()
+
+    def _watch(self, read: int) -> None:
+        try:
+            while not self._closed.is_set():
+                data = os.read(read, 16)
+                if not data or self._closed.is_set():
+                    return
+                signals = [b for b in data if b in {int(s) for s in self.SIGNALS}]
+                if signals and self._timer is None:
+                    self._event.set()
+                    self._timer = threading.Timer(self.grace, _hard_exit, args=(128 + signals[0], self.grace))
+                    self._timer.daemon = True
+                    self._timer.start()
+        finally:
+            os.close(read)
+
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def close(self) -> None:
+        if self._old is None:
+            return
+        self._closed.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        handlers, wakeup = self._old
+        signal.set_wakeup_fd(wakeup)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+        self._old = None
+        try:
+            os.write(self._write, b"\0")  # wakes the thread, which closes its end
+        finally:
+            os.close(self._write)
+
+
+def _hard_exit(code: int, grace: float) -> None:
+    print(f"[dm] stop requested {grace:g} s ago and this process has not exited (blocked on a peer?); "
+          f"exiting with {code}", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _stack(optimizer) -> list:
+    return optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]
+
+
+def _micro_steps(optimizer) -> int:
+    n = 1
+    for opt in _stack(optimizer):
+        n *= int(getattr(opt, "micro_steps_per_update", 1))
+    return n
+
+
+def _task() -> int:
+    """This process's rank (Horovod) or worker index (TF_CONFIG), 0 alone."""
+    hvd = distribute.horovod()
+    if hvd is not None:
+        return hvd.rank()
+    from dist_minimize import cluster
+
+    info = cluster._from_tf_config(os.environ)
+    return info.rank if info is not None else 0
+
+
+def _task_count() -> int:
+    hvd = distribute.horovod()
+    if hvd is not None:
+        return hvd.size()
+    from dist_minimize import cluster
+
+    info = cluster._from_tf_config(os.environ)
+    return info.size if info is not None else 1
+
+
+def _remove_temporaries(directory: str) -> None:
+    for name in os.listdir(directory):
+        if name.startswith((".tmp-", ".worker-")):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def _sync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

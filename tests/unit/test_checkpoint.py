@@ -1,0 +1,244 @@
+"""dm.Checkpointer in one process: a run interrupted at any batch and resumed from its
+directory ends with the same weights and optimizer variables, bit for bit, as the run
+never interrupted, on one device and under MirroredStrategy (2 logical CPUs), in `fit`
+and in a custom loop, with an accumulating, averaging stack. Saves are atomic, taken at
+update boundaries only, and a SIGTERM saves and exits with 42.
+
+The multi-process kill tests (SIGKILL / SIGTERM to one worker under the launcher's
+--max-restarts) are tests/distributed/test_restarts.py."""
+
+import os
+import signal
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dist_minimize as dm
+from conftest import mirrored_strategy
+from dist_minimize import checkpoint
+
+BATCH, PER_EPOCH, EPOCHS = 8, 6, 2
+TOTAL = PER_EPOCH * EPOCHS
+
+
+def data():
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(BATCH * PER_EPOCH, 5)).astype("float32")
+    y = (x @ rng.normal(size=(5, 3)) * 3.0).astype("float32")
+    # A seeded shuffle, reshuffled every epoch: the resumed run must find the same order.
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).batch(BATCH)
+
+
+def make_model(strategy=None, seed=0):
+    strategy = strategy or tf.distribute.get_strategy()
+    with strategy.scope():
+        keras.utils.set_random_seed(seed)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3)])
+        inner = dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(1.0))
+        opt = dm.MovingAverage(dm.GradientAccumulation(inner, steps=2), average_decay=0.9)
+        model.compile(optimizer=opt, loss="mse")
+    dm.integrate(model)
+    return model
+
+
+def state(model) -> list:
+    return [np.array(w) for w in model.get_weights()] + [np.array(v.numpy()) for v in model.optimizer.variables]
+
+
+def assert_identical(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert u.dtype == v.dtype and np.array_equal(u, v), f"value {i} differs by {np.max(np.abs(u - v))}"
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashAfter(keras.callbacks.Callback):
+    """A process lost after `at` batches, before any save of that batch."""
+
+    def __init__(self, ckpt, at):
+        super().__init__()
+        self.ckpt, self.at = ckpt, at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.ckpt.step + 1 == self.at:
+            raise Crash()
+
+
+class Count(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.batches += 1
+
+
+def fit(directory, strategy=None, seed=0, crash_at=None, every=4):
+    model = make_model(strategy, seed)
+    ckpt = dm.Checkpointer(directory, model, every=every)
+    count = Count()
+    callbacks = [count] + ([CrashAfter(ckpt, crash_at)] if crash_at else [])
+    try:
+        ckpt.fit(data(), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+    except Crash:
+        return None, count.batches
+    return model, count.batches
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    model, batches = fit(None)
+    assert batches == TOTAL
+    return state(model)
+
+
+@pytest.mark.parametrize("crash_at", [3, 5, 8, 9])
+def test_fit_resumes_exactly_after_a_lost_process(tmp_path, uninterrupted, crash_at):
+    """Lost after batch 3 (inside an accumulation window), 5 (after the save of batch 4),
+    8 (an epoch boundary, its save not yet taken) or 9 (mid-epoch, mid-window): the
+    resumed run trains only the batches after the newest checkpoint, and ends identical."""
+    assert fit(tmp_path, crash_at=crash_at)[0] is None
+    saved = checkpoint.latest(str(tmp_path))
+    expected = (crash_at - 1) // 4 * 4  # every=4: saves after batches 4, 8, ...
+    assert (saved[0] if saved else 0) == expected
+    model, batches = fit(tmp_path, seed=7)  # other initial weights: everything comes from the file
+    assert batches == TOTAL - expected  # the batches already trained are skipped, not retrained
+    assert_identical(uninterrupted, state(model))
+
+
+def test_the_same_stream_with_or_without_a_directory(tmp_path, uninterrupted):
+    model, _ = fit(tmp_path)
+    assert_identical(uninterrupted, state(model))
+    assert checkpoint.latest(str(tmp_path))[0] == TOTAL  # the final save
+    # Resumed once more from the end: nothing left to train, nothing changes.
+    again, batches = fit(tmp_path, seed=9)
+    assert batches == 0
+    assert_identical(uninterrupted, state(again))
+
+
+def test_mirrored_fit_resumes_exactly(tmp_path):
+    s = mirrored_strategy()
+    full, _ = fit(None, strategy=s)
+    assert fit(tmp_path, strategy=s, crash_at=7)[0] is None
+    resumed, batches = fit(tmp_path, strategy=s, seed=4)
+    assert batches == TOTAL - 4
+    assert_identical(state(full), state(resumed))
+
+
+def custom_loop(directory, crash_at=None, seed=0):
+    """MirroredStrategy, a custom loop over one stream: the docstring's recipe."""
+    s = mirrored_strategy()
+    model = make_model(s, seed)
+    opt = model.optimizer
+    ckpt = dm.Checkpointer(directory, model, opt, every=4)
+    start = ckpt.restore()
+    stream = s.experimental_distribute_dataset(data().repeat().skip(start))
+
+    @tf.function
+    def step(xb, yb):
+        def replica(xb, yb):
+            def loss():
+                return tf.nn.compute_average_loss(tf.reduce_mean(tf.square(model(xb) - yb), axis=-1),
+                                                  global_batch_size=BATCH)
+            opt.minimize(loss, model.trainable_variables)
+        s.run(replica, args=(xb, yb))
+
+    it = iter(stream)
+    with ckpt:
+        for i in range(start, TOTAL):
+            step(*next(it))
+            if crash_at == i + 1:
+                return None
+            assert not ckpt.step_done()
+        ckpt.finish()
+    return model
+
+
+def test_custom_loop_resumes_exactly(tmp_path):
+    full = custom_loop(None)
+    assert custom_loop(tmp_path, crash_at=10) is None
+    assert checkpoint.latest(str(tmp_path))[0] == 8
+    assert_identical(state(full), state(custom_loop(tmp_path, seed=5)))
+
+
+def test_sigterm_saves_at_the_next_boundary_and_exits_42(tmp_path, uninterrupted):
+    """SIGTERM after batch 5 (inside a window): the save waits for the window's end
+    (batch 6), then the process exits with 42; the resumed run ends identical."""
+    model = make_model()
+    ckpt = dm.Checkpointer(str(tmp_path), model, every=100)
+
+    class Term(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if ckpt.step + 1 == 5:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    handler = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as e:
+        ckpt.fit(data(), epochs=EPOCHS, verbose=0, callbacks=[Term()])
+    assert e.value.code == 42
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back
+    assert checkpoint.latest(str(tmp_path))[0] == 6
+    resumed, batches = fit(tmp_path, seed=2, every=100)
+    assert batches == TOTAL - 6
+    assert_identical(uninterrupted, state(resumed))
+
+
+def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, uninterrupted):
+    model = make_model()
+    ckpt = dm.Checkpointer(str(tmp_path), model, every=4)
+    write = ckpt.write_files
+
+    def write_then_crash(path):
+        write(path)
+        if ckpt.step == 8:
+            raise Crash()  # the files are written, the rename never happens
+    ckpt.write_files = write_then_crash
+    with pytest.raises(Crash):
+        ckpt.fit(data(), epochs=EPOCHS, verbose=0)
+    assert sorted(os.listdir(tmp_path)) == [".tmp-ckpt-000000008", "ckpt-000000004"]
+    assert checkpoint.latest(str(tmp_path))[0] == 4
+    resumed, batches = fit(tmp_path, seed=3)
+    assert batches == TOTAL - 4
+    assert_identical(uninterrupted, state(resumed))
+    assert ".tmp-ckpt-000000008" not in os.listdir(tmp_path)  # removed at the restore
+    assert len([n for n in os.listdir(tmp_path) if n.startswith("ckpt-")]) == 2  # keep=2
+
+
+def test_a_save_inside_an_accumulation_window_is_refused(tmp_path):
+    model = make_model()
+    ckpt = dm.Checkpointer(str(tmp_path), model)
+    with ckpt:
+        ckpt.restore()
+        x, y = next(iter(data()))
+        model.train_on_batch(x, y)  # one micro-step: the accumulators hold it
+        ckpt.step = 1
+        with pytest.raises(ValueError, match=r"update boundary.*micro_step is 1 with steps=2"):
+            ckpt.save()
+    assert checkpoint.latest(str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"every": 0}, r"`every` must be an integer >= 1. Received: every=0"),
+    ({"keep": 0}, r"`keep` must be an integer >= 1. Received: keep=0"),
+    ({"model": "m"}, r"`model` must be a Keras model. Received: model='m'"),
+])
+def test_bad_arguments_are_named(tmp_path, kwargs, match):
+    args = {"directory": str(tmp_path), "model": make_model(), **kwargs}
+    with pytest.raises((ValueError, TypeError), match=match):
+        dm.Checkpointer(**args)
+
+
+def test_fit_needs_a_dataset_of_known_length(tmp_path):
+    model = make_model()
+    with dm.Checkpointer(str(tmp_path), model) as ckpt:
+        with pytest.raises(TypeError, match="must be a tf.data.Dataset. Received: ndarray"):
+            ckpt.fit(np.zeros((4, 5)), epochs=1)
+        endless = data().repeat()
+        with pytest.raises(ValueError, match="unknown or infinite: pass `steps_per_epoch`"):
+            ckpt.fit(endless, epochs=1)
