@@ -181,15 +181,17 @@ class Checkpointer:
         _sync(path)
 
     def exit(self) -> None:
-        """Ends this process with `exit_code` after a stop, once every worker is here."""
+        """Ends this process after a stop, once every worker is here: with `exit_code`
+        (restart me) when the state was saved, with 143 (128 + SIGTERM) without a directory."""
         self._any_worker(False)  # a barrier: no worker leaves while another still writes
         self.close()
+        code = self.exit_code if self.directory else 128 + signal.SIGTERM
         if _task_count() > 1 and distribute.horovod_size() <= 1:
             from dist_minimize import cluster
 
-            cluster.exit_worker(self.exit_code)
+            cluster.exit_worker(code)
         sys.stdout.flush()
-        sys.exit(self.exit_code)
+        sys.exit(code)
 
     def finish(self) -> None:
         """At the end of training: saves the final state (when it is at an update boundary
