@@ -121,7 +121,7 @@ class Checkpointer:
         returns the number of batches already trained (0 when there is none)."""
         self._build()
         found = latest(self.directory)
-        if self._is_writer() and self.directory:
+        if self._is_writer() and self.directory and os.path.isdir(self.directory):
             _remove_temporaries(self.directory)
         if found is None:
             return 0
