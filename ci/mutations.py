@@ -447,9 +447,9 @@ MUTATIONS = [
     # Issue 25: exact resume.
     Mutation("resume-retrains-seen-batches", "a resumed fit trains the interrupted epoch again from its start",
              "dist_minimize/checkpoint.py",
-             "            history = self.model.fit(stream.skip(self.step), epochs=epoch + 1, initial_epoch=epoch,\n"
+             "            history = self.model.fit(stream(self.step), epochs=epoch + 1, initial_epoch=epoch,\n"
              "                                     steps_per_epoch=per_epoch - batch,",
-             "            history = self.model.fit(stream.skip(epoch * per_epoch), epochs=epoch + 1, initial_epoch=epoch,\n"
+             "            history = self.model.fit(stream(epoch * per_epoch), epochs=epoch + 1, initial_epoch=epoch,\n"
              "                                     steps_per_epoch=per_epoch,",
              ["tests/unit/test_checkpoint.py::test_fit_resumes_exactly_after_a_lost_process"]),
     Mutation("input-position-not-restored", "restore reads the state but not the number of batches trained",

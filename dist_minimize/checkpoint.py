@@ -45,6 +45,7 @@ See docs/fault-tolerance.md.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -206,22 +207,36 @@ class Checkpointer:
 
     # -- model.fit ------------------------------------------------------------------------
 
-    def fit(self, x: tf.data.Dataset, epochs: int = 1, steps_per_epoch: int | None = None,
-            callbacks: list | None = None, **kwargs):
+    def fit(self, x, epochs: int = 1, steps_per_epoch: int | None = None, callbacks: list | None = None,
+            **kwargs):
         """`model.fit` with exact resume: restores, skips the batches already trained,
         saves every `every` batches and at the end, and on an agreed stop saves and exits
-        with `exit_code`. `x`: a dataset of one epoch's batches (or, with
-        `steps_per_epoch`, an endless stream). Returns the last `fit`'s History."""
-        if not isinstance(x, tf.data.Dataset):
-            raise TypeError(f"`x` must be a tf.data.Dataset. Received: {type(x).__name__}")
+        with `exit_code`. Returns the last `fit`'s History.
+
+        `x`: a function returning a dataset of one epoch's batches (or, with
+        `steps_per_epoch`, an endless stream), or that dataset itself. Give a FUNCTION
+        when the dataset shuffles with `reshuffle_each_iteration` (tf.data's default): a
+        run resumed mid-epoch calls `model.fit` twice (the rest of the epoch, then the
+        following epochs), and two iterators of one dataset object draw different
+        shuffles, while two fresh copies repeat the uninterrupted run's.
+        """
+        make = x if callable(x) and not isinstance(x, tf.data.Dataset) else (lambda: x)
+        first = make()
+        if not isinstance(first, tf.data.Dataset):
+            raise TypeError("`x` must be a tf.data.Dataset or a function returning one. "
+                            f"Received: {type(first).__name__}")
         if getattr(self.model, "steps_per_execution", 1) != 1:
             raise ValueError("Checkpointer.fit needs steps_per_execution=1 (it counts batches in "
                              f"on_train_batch_end). Received: steps_per_execution={self.model.steps_per_execution}")
-        per_epoch = steps_per_epoch or int(x.cardinality().numpy())
+        per_epoch = steps_per_epoch or int(first.cardinality().numpy())
         if per_epoch <= 0:
             raise ValueError("The dataset's length is unknown or infinite: pass `steps_per_epoch`. "
                              f"Received: cardinality {per_epoch}")
-        stream = x if steps_per_epoch else x.repeat()
+        streams = itertools.chain([first], iter(make, None))  # the first copy, then a fresh one per fit call
+
+        def stream(skip):
+            ds = next(streams)
+            return (ds if steps_per_epoch else ds.repeat()).skip(skip)
         try:
             history = self._fit(stream, per_epoch, epochs, list(callbacks or []) + [_Callback(self)], kwargs)
         except BaseException:
@@ -238,11 +253,11 @@ class Checkpointer:
         epoch, batch = divmod(self.restore(), per_epoch)
         history = None
         if batch and epoch < epochs:  # the rest of the interrupted epoch
-            history = self.model.fit(stream.skip(self.step), epochs=epoch + 1, initial_epoch=epoch,
+            history = self.model.fit(stream(self.step), epochs=epoch + 1, initial_epoch=epoch,
                                      steps_per_epoch=per_epoch - batch, callbacks=callbacks, **kwargs)
             epoch += 1
         if not self.stopping and epoch < epochs:
-            history = self.model.fit(stream.skip(epoch * per_epoch), epochs=epochs, initial_epoch=epoch,
+            history = self.model.fit(stream(epoch * per_epoch), epochs=epochs, initial_epoch=epoch,
                                      steps_per_epoch=per_epoch, callbacks=callbacks, **kwargs)
         return history
 

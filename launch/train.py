@@ -293,16 +293,21 @@ def run_fit(args, strategy=None) -> float:
         local_batch = args.global_batch // size
         # Equal, full local batches on every rank: the same number of steps everywhere (no
         # rank waits in an allreduce the others never call) and an exact global mean.
-        train = dm.horovod_keras.shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))).batch(
-            local_batch, drop_remainder=True)
+        def train():
+            return dm.horovod_keras.shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))).batch(
+                local_batch, drop_remainder=True)
         callbacks = [dm.horovod_keras.BroadcastVariablesCallback(), dm.horovod_keras.MetricAverageCallback()]
         verbose = dm.horovod_keras.verbosity(2)
         scope = None
         where = f"Horovod, {size} processes (this is rank {rank}), local batch {local_batch}"
     else:
         # DP-SGD's accounting assumes one batch size: no partial last batch then.
-        train = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
-            len(x_train), seed=args.seed).batch(args.global_batch, drop_remainder=private(args))
+        # One seeded order for every epoch: under MirroredStrategy a reshuffling dataset is
+        # not reproduced after a resume's skip (docs/fault-tolerance.md).
+        def train():
+            return tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(
+                len(x_train), seed=args.seed, reshuffle_each_iteration=False).batch(
+                    args.global_batch, drop_remainder=private(args))
         verbose = 2
         scope = strategy.scope()
         where = f"MirroredStrategy, {strategy.num_replicas_in_sync} replicas"

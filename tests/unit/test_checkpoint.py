@@ -23,20 +23,27 @@ BATCH, PER_EPOCH, EPOCHS = 8, 6, 2
 TOTAL = PER_EPOCH * EPOCHS
 
 
-def data():
+def data(reshuffle=True):
+    """One epoch's batches; a function, as Checkpointer.fit wants for a reshuffling dataset."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(BATCH * PER_EPOCH, 5)).astype("float32")
     y = (x @ rng.normal(size=(5, 3)) * 3.0).astype("float32")
     # A seeded shuffle, reshuffled every epoch: the resumed run must find the same order.
-    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=1).batch(BATCH)
+    return tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
+        len(x), seed=1, reshuffle_each_iteration=reshuffle).batch(BATCH)
 
 
 def make_model(strategy=None, seed=0):
+    """The same model every time; `seed` != 0 shifts its initial weights (a resumed run
+    must take every value from the checkpoint). The global seed stays 0: it also seeds
+    the dataset's shuffle, which a resumed job repeats as it was."""
     strategy = strategy or tf.distribute.get_strategy()
     with strategy.scope():
-        keras.utils.set_random_seed(seed)
+        keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
                                   keras.layers.Dense(3)])
+        if seed:
+            model.set_weights([w + seed for w in model.get_weights()])
         inner = dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(1.0))
         opt = dm.MovingAverage(dm.GradientAccumulation(inner, steps=2), average_decay=0.9)
         model.compile(optimizer=opt, loss="mse")
@@ -79,13 +86,13 @@ class Count(keras.callbacks.Callback):
         self.batches += 1
 
 
-def fit(directory, strategy=None, seed=0, crash_at=None, every=4):
+def fit(directory, strategy=None, seed=0, crash_at=None, every=4, reshuffle=True):
     model = make_model(strategy, seed)
     ckpt = dm.Checkpointer(directory, model, every=every)
     count = Count()
     callbacks = [count] + ([CrashAfter(ckpt, crash_at)] if crash_at else [])
     try:
-        ckpt.fit(data(), epochs=EPOCHS, verbose=0, callbacks=callbacks)
+        ckpt.fit(lambda: data(reshuffle), epochs=EPOCHS, verbose=0, callbacks=callbacks)
     except Crash:
         return None, count.batches
     return model, count.batches
@@ -107,7 +114,9 @@ def test_fit_resumes_exactly_after_a_lost_process(tmp_path, uninterrupted, crash
     saved = checkpoint.latest(str(tmp_path))
     expected = (crash_at - 1) // 4 * 4  # every=4: saves after batches 4, 8, ...
     assert (saved[0] if saved else 0) == expected
-    model, batches = fit(tmp_path, seed=7)  # other initial weights: everything comes from the file
+    # Other initial weights when a checkpoint exists (everything must come from the file);
+    # without one, the job starts again as it first did.
+    model, batches = fit(tmp_path, seed=7 if expected else 0)
     assert batches == TOTAL - expected  # the batches already trained are skipped, not retrained
     assert_identical(uninterrupted, state(model))
 
@@ -123,10 +132,14 @@ def test_the_same_stream_with_or_without_a_directory(tmp_path, uninterrupted):
 
 
 def test_mirrored_fit_resumes_exactly(tmp_path):
+    """Under MirroredStrategy Keras's fit distributes the dataset through a copy of its
+    graph, and a shuffle reshuffled each epoch does not repeat its orders after a skip
+    (measured: 2e-2 off); a shuffle drawn once (reshuffle_each_iteration=False) does.
+    docs/fault-tolerance.md says so."""
     s = mirrored_strategy()
-    full, _ = fit(None, strategy=s)
-    assert fit(tmp_path, strategy=s, crash_at=7)[0] is None
-    resumed, batches = fit(tmp_path, strategy=s, seed=4)
+    full, _ = fit(None, strategy=s, reshuffle=False)
+    assert fit(tmp_path, strategy=s, crash_at=7, reshuffle=False)[0] is None
+    resumed, batches = fit(tmp_path, strategy=s, seed=4, reshuffle=False)
     assert batches == TOTAL - 4
     assert_identical(state(full), state(resumed))
 
@@ -170,6 +183,7 @@ def test_custom_loop_resumes_exactly(tmp_path):
 def test_sigterm_saves_at_the_next_boundary_and_exits_42(tmp_path, uninterrupted):
     """SIGTERM after batch 5 (inside a window): the save waits for the window's end
     (batch 6), then the process exits with 42; the resumed run ends identical."""
+    handler = signal.getsignal(signal.SIGTERM)
     model = make_model()
     ckpt = dm.Checkpointer(str(tmp_path), model, every=100)
 
@@ -178,9 +192,8 @@ def test_sigterm_saves_at_the_next_boundary_and_exits_42(tmp_path, uninterrupted
             if ckpt.step + 1 == 5:
                 os.kill(os.getpid(), signal.SIGTERM)
 
-    handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as e:
-        ckpt.fit(data(), epochs=EPOCHS, verbose=0, callbacks=[Term()])
+        ckpt.fit(data, epochs=EPOCHS, verbose=0, callbacks=[Term()])
     assert e.value.code == 42
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
     assert checkpoint.latest(str(tmp_path))[0] == 6
@@ -200,7 +213,7 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, uninter
             raise Crash()  # the files are written, the rename never happens
     ckpt.write_files = write_then_crash
     with pytest.raises(Crash):
-        ckpt.fit(data(), epochs=EPOCHS, verbose=0)
+        ckpt.fit(data, epochs=EPOCHS, verbose=0)
     assert sorted(os.listdir(tmp_path)) == [".tmp-ckpt-000000008", "ckpt-000000004"]
     assert checkpoint.latest(str(tmp_path))[0] == 4
     resumed, batches = fit(tmp_path, seed=3)
@@ -237,7 +250,7 @@ def test_bad_arguments_are_named(tmp_path, kwargs, match):
 def test_fit_needs_a_dataset_of_known_length(tmp_path):
     model = make_model()
     with dm.Checkpointer(str(tmp_path), model) as ckpt:
-        with pytest.raises(TypeError, match="must be a tf.data.Dataset. Received: ndarray"):
+        with pytest.raises(TypeError, match="must be a tf.data.Dataset or a function returning one. Received: ndarray"):
             ckpt.fit(np.zeros((4, 5)), epochs=1)
         endless = data().repeat()
         with pytest.raises(ValueError, match="unknown or infinite: pass `steps_per_epoch`"):
