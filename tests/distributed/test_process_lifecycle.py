@@ -136,7 +136,7 @@ def test_multiworker_launch_retries_when_a_port_was_taken(tmp_path):
         rc = launcher.launch("multiworker", 2, [str(script), str(tmp_path)], timeout=60, out=f, child_output=f)
     text = log.read_text()
     assert rc == 0, text
-    assert "Retrying on new ports" in text and text.count("worker 1 ran on") == 1
+    assert "starting again on new ports" in text and text.count("worker 1 ran on") == 1
     # With the user's own --port there is nothing to choose again: the failure stands.
     (tmp_path / "failed-once").unlink()
     with open(log, "w") as f:
@@ -165,7 +165,7 @@ def test_supervisor_stops_the_others_and_forwards_the_failure(tmp_path, capsys):
     assert rc == 3
     assert time.monotonic() - start < 30
     out = capsys.readouterr().out
-    assert "TF_CONFIG=" in out and "worker 1 exited with status 3; stopping the others" in out
+    assert "TF_CONFIG=" in out and "[launch] failed: worker 1: exit status 3; the others were stopped" in out
 
 
 def test_supervisor_timeout_kills_everything(tmp_path, capsys):
@@ -190,6 +190,9 @@ def test_failing_worker_ends_the_job_quickly(tmp_path, launcher_name, mode):
     text = log.read_text()
     assert rc not in (0, 124), text[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s"
-    assert "exited with status" in text
+    assert "[launch] failed: python: exit status" in text, text[-3000:]  # horovodrun's own status
+    if launcher_name == "horovod-gloo":  # and the rank horovodrun named, with how it ended
+        how = "exit status 137 (128 + SIGKILL)" if mode == "kill" else "exit status 1"
+        assert f"(rank 1 failed first: {how})" in text, text[-3000:]
     if mode == "raise":
         assert "planted failure on rank 1" in text
