@@ -3,8 +3,9 @@
 # on two TensorFlow versions:
 #   1. profile "default": TensorFlow 2.18.1 + Keras 3 + Horovod 0.28.1 (Gloo, MPI) + mpi4py;
 #   2. profile "tf221":   TensorFlow 2.21.0 + Keras 3 without Horovod (Horovod 0.28.1 does
-#      not build against TF >= 2.19; its tests skip there, saying so), every test but
-#      those of ONLY_ON_DEFAULT (launcher, supervision, restarts, repository tooling).
+#      not build against TF >= 2.19; its tests skip there, saying so), every test not
+#      marked default_profile_only (launcher, supervision, restarts, repository tooling,
+#      4-replica MirroredStrategy cases: tests/conftest.py says why).
 # Unit tests run in one process; MirroredStrategy on logical CPU devices;
 # MultiWorkerMirroredStrategy workers and horovodrun/mpirun jobs as local processes on
 # 127.0.0.1 (each multi-process test starts, bounds and kills its own processes).
@@ -18,8 +19,6 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 export TF_CPP_MIN_LOG_LEVEL=2
 profiles=${DM_PROFILE:-default tf221}
-ONLY_ON_DEFAULT=(tests/tooling tests/distributed/test_process_lifecycle.py tests/distributed/test_restarts.py
-                 tests/unit/test_launcher_restarts.py tests/unit/test_launcher_cluster.py)
 LOGS=$(mktemp -d "$ROOT/.test-logs.XXXXXX")
 trap 'rm -rf "$LOGS"' EXIT
 status=0
@@ -41,13 +40,7 @@ for profile in $profiles; do
   fi
   setup_s=$((SECONDS - start))
   only_once=()
-  if [[ "$profile" != default ]]; then
-    # Tests of the launcher, process supervision, restarts and the repository's tooling
-    # check this project's own process and file handling, not TensorFlow's or Keras's:
-    # they run once, on the default profile (the checkpoint's TensorFlow side runs on
-    # both, in tests/unit/test_checkpoint.py).
-    for path in "${ONLY_ON_DEFAULT[@]}"; do only_once+=("--ignore=$path"); done
-  fi
+  [[ "$profile" == default ]] || only_once=(-m "not default_profile_only")
   DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra "${only_once[@]}" "$@" 2>&1 | tee "$LOGS/$profile.log"
   rc=${PIPESTATUS[0]}
   ((rc == 0)) || status=1

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 import parity_lib as P
 import proc
-from conftest import requires_horovod
+from conftest import default_profile_only, requires_horovod
 from dist_minimize import launcher
 
 DEFAULT = tf.distribute.get_strategy()
@@ -148,6 +148,9 @@ def split_case(case):
 
 def run_param(run: str, *values, marks=()):
     """A pytest parameter (run, *values) whose id starts with the run's name; runs under
-    Horovod are skipped (with the reason) where Horovod is not installed."""
+    Horovod are skipped (with the reason) where Horovod is not installed; runs on 4
+    MirroredStrategy replicas are marked `default_profile_only` (see conftest.py)."""
     marks = [*marks, requires_horovod] if run.startswith("horovod") else list(marks)
+    if run == "mirrored-4":
+        marks.append(default_profile_only)
     return pytest.param(run, *values, id="-".join([run, *map(str, values)]), marks=marks)
