@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _keras_settings, _stages, aggregation
+from dist_minimize import _compat, _keras_settings, _sharding, _stages, aggregation
 from dist_minimize._finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once
 from dist_minimize._per_device import _ON_DEVICE
@@ -132,6 +132,7 @@ class Optimizer(StagedOptimizer):
         transform_gradients: Callable | Sequence[Callable] | None = None,
         skip_nonfinite: bool = True,
         name: str | None = None,
+        shard_optimizer_state: bool = False,
         **kwargs,
     ):
         if kwargs:
@@ -158,6 +159,11 @@ class Optimizer(StagedOptimizer):
         gradient_fns = _stages.as_callables(transform_gradients, "transform_gradients")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"`skip_nonfinite` must be a bool. Received: skip_nonfinite={skip_nonfinite!r}")
+        if not isinstance(shard_optimizer_state, bool):
+            raise TypeError("`shard_optimizer_state` must be a bool. "
+                            f"Received: shard_optimizer_state={shard_optimizer_state!r}")
+        if shard_optimizer_state:
+            _sharding.check_backends(aggregating, aggregators)
         translation = _keras_settings.translate(inner, gradient_fns)
         _keras_settings.disable(inner, translation)
         super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)
@@ -171,6 +177,7 @@ class Optimizer(StagedOptimizer):
         translation.log(inner)
         self._skip_nonfinite = skip_nonfinite
         self._skipped_steps = None
+        self._sharding = _sharding.Sharding(aggregating[0]) if shard_optimizer_state else None
         self._dm_constructed = True
 
     # -- stages --------------------------------------------------------------------------
@@ -193,6 +200,8 @@ class Optimizer(StagedOptimizer):
         exactly that many collectives.
         """
         once.note_aggregation(f"{type(self).__name__} {self.name!r}")
+        if self._sharding is not None and self._sharding.active():
+            return self._sharding.reduce_scatter(grads_and_vars)
         for agg in self._aggregators:
             stage = f"aggregate_gradients ({_fn_name(agg)})"
             plan = agg.planned_collectives(grads_and_vars) if isinstance(agg, aggregation.Aggregator) else None
@@ -200,6 +209,16 @@ class Optimizer(StagedOptimizer):
                 out = agg(grads_and_vars)
             grads_and_vars = _stages.check_stage_output(stage, grads_and_vars, out)
         return grads_and_vars
+
+    def shard(self, var_list: list) -> list:
+        """The variables of `var_list` whose optimizer state this process keeps: all of
+        them, or with `shard_optimizer_state=True` this process's share (the first call
+        partitions the list: `dist_minimize._shards.Partition.balanced`)."""
+        return list(var_list) if self._sharding is None else self._sharding.mine(var_list)
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        return self._sharding is not None
 
     def transform_gradients(self, grads_and_vars):
         """Applies the constructor's `transform_gradients` in order (e.g. the clipper), checking each."""
@@ -328,6 +347,7 @@ class Optimizer(StagedOptimizer):
             "aggregate_gradients": [_serialize_aggregator(a) for a in self._aggregators],
             "transform_gradients": [_serialize(f) for f in self._gradient_fns],
             "skip_nonfinite": self._skip_nonfinite,
+            "shard_optimizer_state": self._sharding is not None,
         }
 
     @classmethod

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _stages, distribute
+from dist_minimize import _compat, _shards, _stages, distribute
 from dist_minimize._finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
 from dist_minimize._per_device import PerDeviceUpdate
@@ -237,6 +237,12 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
           aggregate: False when the caller aggregated already (`apply_gradients(...,
             aggregate=False)`).
         """
+        with _shards.step() as sharded:
+            self._update(grads_and_vars, top=top, aggregate=aggregate)
+            if sharded.gather is not None:  # a sharded step: every process's new weights, everywhere
+                sharded.gather()
+
+    def _update(self, grads_and_vars: list, *, top: "StagedOptimizer", aggregate: bool) -> None:
         if distribute.strategy_replicas() > 1 and distribute.uses_merge_call():
             distribute.refuse_xla(
                 f"A step under {type(tf.distribute.get_strategy()).__name__} on these devices",
@@ -245,7 +251,10 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
                 "located in device ...'); Keras's own default under a strategy is jit_compile=False")
         with distribute.deferred_updates() as pending, once.step(top._aggregations_allowed()):
             if aggregate:
-                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)
+                aggregated = top.aggregate_gradients(list(grads_and_vars))
+                # A sharded step's aggregation returns this process's share of the pairs.
+                grads_and_vars = _stages.check_stage_output(
+                    "aggregate_gradients", _shards.share(grads_and_vars), aggregated)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
             condition = top.update_condition(grads_and_vars)
         # The transforms' statistics and counters (`assign_replicated`) are made in the
@@ -336,6 +345,9 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
         var_list = list(var_list)
         self._build_wrapped(var_list)
         self._dm_state = _BuiltState(var_list)
+        # With `shard_optimizer_state=True` at the bottom, every optimizer of the stack
+        # keeps state for this process's share of the variables only (`shards_state`).
+        var_list = self._share(var_list)
         self.build_state(var_list)
         # Keras's base `build` creates EMA averages and gradient accumulators when
         # `use_ema`/`gradient_accumulation_steps` read true; here they report the stack,
@@ -345,6 +357,24 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             super().build(var_list)
         finally:
             self._dm_keras_build = False
+
+    # Whether this optimizer's state and step hooks work on a process's share of the
+    # variables (`Optimizer(shard_optimizer_state=True)`): its `build_state` gets the
+    # share, its hooks and `transform_gradients` see the share's gradients only, and it
+    # writes no trained variable outside a step. See docs/sharding.md.
+    shards_state: bool = False
+
+    def _share(self, var_list: list) -> list:
+        bottom = self.stack()[-1]
+        if not getattr(bottom, "shard_optimizer_state", False):
+            return var_list
+        refused = [type(opt).__name__ for opt in self.stack()[:-1] if not opt.shards_state]
+        if refused:
+            raise ValueError(
+                f"shard_optimizer_state=True: {', '.join(refused)} does not declare `shards_state = True` "
+                "(its state or hooks need every variable on every process). Wrappers that shard their "
+                "state: LossScaleOptimizer, DecoupledWeightDecay, SAM (docs/sharding.md).")
+        return bottom.shard(var_list)
 
     def build_state(self, var_list: list) -> None:
         """Creates this optimizer's own state for `var_list`; called once, by `build`.

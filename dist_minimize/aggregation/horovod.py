@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from dist_minimize import _compat, distribute
 from dist_minimize.transforms.base import check_nonnegative_int, check_positive_finite
-from dist_minimize.aggregation import packing
+from dist_minimize.aggregation import packing, sharded
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, split_nones
 
 _REDUCTIONS = ("mean", "sum", "adasum")
@@ -193,6 +193,50 @@ class HorovodAggregator(Aggregator):
         if self.reduction == "adasum":
             return dense + 2 * sparse
         return (1 if dense else 0) + 2 * sparse
+
+    # -- a sharded step (Optimizer(shard_optimizer_state=True); aggregation/sharded.py) --
+
+    def processes(self) -> tuple[int, int]:
+        """(number of processes, this process's rank) among those aggregated."""
+        self._check_context()
+        ps = self.process_set
+        return (ps.size(), ps.rank()) if ps is not None else (self._hvd.size(), self._hvd.rank())
+
+    def check_shardable(self) -> None:
+        """Raises ValueError for a setting a sharded step cannot keep."""
+        if self.reduction == "adasum" or self.compression != "none":
+            raise ValueError(
+                "shard_optimizer_state=True reduce-scatters the gradients, which Horovod does with "
+                "reduction 'mean' or 'sum' and no compression. Received: "
+                f"reduction={self.reduction!r}, compression={self.compression!r}")
+
+    def reduce_scatter(self, grads_and_vars: GradsAndVars, owners) -> list:
+        """This process's share of the aggregated gradients: one `hvd.reducescatter` per
+        dtype (the mean or the sum, as `reduction` says)."""
+        size, rank = self.processes()
+        distribute.refuse_xla("The Horovod backend", "Horovod 0.28.1's collectives have no XLA kernels here")
+        kwargs = self._allreduce_kwargs(size)
+        # Horovod pairs the processes' collectives by name: the ops of a sharded step are
+        # named, since each process's graph holds another share's update before them.
+        return sharded.reduce_scatter(list(grads_and_vars), owners, size, rank,
+                                      lambda buffer: self._hvd.reducescatter(
+                                          buffer, name=f"dm_shard_reducescatter_{buffer.dtype.name}", **kwargs))
+
+    def all_gather(self, variables, updated, owners) -> None:
+        """Every process's updated variables written on every process (`hvd.allgather`)."""
+        size, rank = self.processes()
+        sharded.all_gather(variables, updated, owners, size, rank,
+                           lambda segment: self._hvd.allgather(
+                               segment, name=f"dm_shard_allgather_{segment.dtype.name}", **self._set_kwargs()))
+
+    def sum_scalar(self, value: tf.Tensor) -> tf.Tensor:
+        """`value` summed over the processes (one `hvd.allreduce`)."""
+        return self._hvd.allreduce(value, op=self._hvd.Sum, name="dm_shard_sum", **self._set_kwargs())
+
+    def planned_reduce_scatters(self, grads_and_vars: GradsAndVars, owners) -> int | None:
+        if tf.executing_eagerly():
+            return None
+        return sharded.planned([g for g, _ in grads_and_vars], owners, self.processes()[0])
 
     def _allreduce_kwargs(self, size: int) -> dict:
         hvd = self._hvd

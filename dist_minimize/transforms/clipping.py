@@ -11,7 +11,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import distribute
+from dist_minimize import _shards, distribute
 from dist_minimize.transforms.base import (
     GradientTransform,
     accumulation_dtype,
@@ -118,9 +118,10 @@ def global_norm(gradients) -> tf.Tensor:
     # `l2_loss` (sum(x**2) / 2) is one fused kernel per tensor, where square + sum is two
     # ops and a temporary the size of the gradient; doubling is exact.
     halves = [tf.nn.l2_loss(tf.cast(dense_values(g), dtype)) for g in gradients]
-    if not halves:
-        return tf.constant(0.0, dtype)
-    return tf.sqrt(2.0 * tf.add_n(halves))
+    total = tf.add_n(halves) if halves else tf.constant(0.0, dtype)
+    # In a sharded step (`shard_optimizer_state=True`) each process holds its share of
+    # the gradients: the squares are summed across processes (one scalar collective).
+    return tf.sqrt(2.0 * _shards.sum_over_shards(total))
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")

@@ -54,6 +54,8 @@ class LossScaleOptimizer(OptimizerWrapper):
         or a `growth_factor` <= 1.
     """
 
+    shards_state = True  # per-variable work on the pairs it is given (docs/sharding.md)
+
     def __init__(self, optimizer: StagedOptimizer, initial_scale: float = 2.0 ** 15, dynamic: bool = True,
                  growth_interval: int = 2000, growth_factor: float = 2.0, name: str | None = None):
         initial_scale = check_positive_finite("initial_scale", initial_scale)

@@ -57,6 +57,8 @@ class SAM(OptimizerWrapper):
         the first step, a loss given only as a tensor (no `loss_fn`).
     """
 
+    shards_state = True  # per-variable work on the pairs it is given (docs/sharding.md)
+
     once_per_stack = True
     # SAM's own, not the update rule's (Adam has an `epsilon` too: see `KerasSurface.__setattr__`).
     epsilon: float = 1e-12

@@ -62,6 +62,8 @@ class DecoupledWeightDecay(OptimizerWrapper):
         number nor a callable.
     """
 
+    shards_state = True  # per-variable work on the pairs it is given (docs/sharding.md)
+
     # Its step hooks only read and write variables: they may run device by device
     # (`StagedOptimizer._per_device_ok`).
 

@@ -1,0 +1,110 @@
+"""`Optimizer(shard_optimizer_state=True)`: each process keeps and updates the optimizer
+state of its share of the trained variables only (ZeRO stages 1 and 2).
+
+A step: the gradients of every variable are computed and transformed per process as
+usual; `aggregate_gradients` reduce-scatters them, so each process receives the
+aggregated gradients of the variables it owns (`dist_minimize._shards.Partition`) and
+the rest of the step (transforms, guard, update rule, hooks) sees only those; values
+over all gradients (the clipper's global norm, the guard's finiteness) are summed
+across processes (`dist_minimize._shards.sum_over_shards`); after the update, every
+process's new weights reach every process by an all-gather (`ShardedStep.gather`, run
+by `StagedOptimizer.run_update`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from dist_minimize import _shards, distribute
+from dist_minimize.aggregation import once
+
+logger = logging.getLogger("dist_minimize")
+
+
+def check_backends(aggregating: list, given) -> None:
+    """Raises ValueError unless exactly one backend aggregates, and it can shard."""
+    if len(aggregating) != 1:
+        raise ValueError(
+            "shard_optimizer_state=True needs an aggregation backend (each process then receives its "
+            "share of the aggregated gradients); with nothing aggregated there is no state to share. "
+            f"Received: aggregate_gradients={given!r}")
+    backend = aggregating[0]
+    if backend.name not in ("auto", "horovod"):
+        raise ValueError(
+            "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun): "
+            f"the {backend.name!r} backend has no sharded step. Received: aggregate_gradients={given!r}")
+    if hasattr(backend, "check_shardable"):
+        backend.check_shardable()
+
+
+class Sharding:
+    """The partition of one optimizer stack's variables and the backend that shards them."""
+
+    def __init__(self, backend):
+        self._given = backend
+        self._owners: dict | None = None
+        self.size, self.rank = 1, 0
+
+    def backend(self):
+        backend = self._given.select() if hasattr(self._given, "select") else self._given
+        if not hasattr(backend, "reduce_scatter"):
+            raise ValueError(
+                "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun); here the "
+                f"aggregation is {backend.name!r}: under MirroredStrategy and MultiWorkerMirroredStrategy "
+                "every variable created in the strategy's scope, optimizer slots included, is mirrored on "
+                "every replica, so there is nothing to shard. Launch with horovodrun or mpirun, or pass "
+                "shard_optimizer_state=False.")
+        return backend
+
+    def mine(self, var_list: list) -> list:
+        """This process's share of `var_list` (partitioned at the first call)."""
+        if self._owners is None:
+            if distribute.strategy_replicas() > 1:
+                raise ValueError(
+                    "shard_optimizer_state=True cannot run under "
+                    f"{type(tf.distribute.get_strategy()).__name__} ({distribute.strategy_replicas()} "
+                    "replicas): the strategy mirrors every variable created in its scope, optimizer slots "
+                    "included, on every replica. Launch with horovodrun or mpirun (the Horovod backend).")
+            self.size, self.rank = self.backend().processes()
+            partition = _shards.Partition.balanced([_shards.elements_of(v) for v in var_list], self.size, self.rank)
+            self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
+            loads = partition.loads()
+            if self.size == 1:
+                logger.info("shard_optimizer_state=True with one process: nothing to share, the whole state "
+                            "stays here")
+            else:
+                logger.info("shard_optimizer_state=True: %d variables over %d processes, elements per process "
+                            "%s (this is process %d)", len(var_list), self.size, loads, self.rank)
+        return [v for v in var_list if self.owner(v) == self.rank]
+
+    def owner(self, variable) -> int:
+        try:
+            return self._owners[id(variable)]
+        except KeyError:
+            raise ValueError(
+                "A sharded optimizer updates only the variables it was built with (its state is "
+                f"partitioned among them). Received: variable {getattr(variable, 'path', variable.name)!r}, "
+                "not among them") from None
+
+    def active(self) -> bool:
+        """Whether this step is sharded: inside a step's update, with several processes."""
+        return self._owners is not None and self.size > 1 and _shards.current() is not None
+
+    def reduce_scatter(self, grads_and_vars: list) -> list:
+        """This process's share of the aggregated gradients; registers the step's scalar
+        sum and its all-gather (`_shards.ShardedStep`)."""
+        backend = self.backend()
+        grads_and_vars = list(grads_and_vars)
+        owners = [self.owner(v) for _, v in grads_and_vars]
+        plan = backend.planned_reduce_scatters(grads_and_vars, owners)
+        with once.planned(plan, f"`aggregate_gradients ({backend.name}, sharded)`"):
+            out = backend.reduce_scatter(grads_and_vars, owners)
+        step = _shards.current()
+        variables = [v for _, v in grads_and_vars]
+        updated = [g is not None for g, _ in grads_and_vars]
+        step.sum = backend.sum_scalar
+        step.owns = lambda v: self.owner(v) == self.rank
+        step.gather = lambda: backend.all_gather(variables, updated, owners)
+        return out
