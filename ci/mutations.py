@@ -414,7 +414,7 @@ MUTATIONS = [
               "tests/distributed/test_sam_parity.py::test_sam_on_two_processes_matches_one_device"]),
     Mutation("sam-not-restored", "SAM leaves the weights perturbed when the update is applied",
              "dist_minimize/wrappers/sam.py",
-             "            distribute.assign_local([(v, tf.identity(w)) for v, w, _ in perturbed])\n",
+             "            distribute.assign_local([(v, w) for v, w, _ in perturbed])\n",
              "            pass\n",
              ["tests/unit/test_sam.py::test_sam_matches_numpy_in_a_custom_loop"]),
     Mutation("asam-scaling-dropped", "ASAM's element-wise scaling by |w| is dropped from the perturbation",

@@ -87,27 +87,30 @@ class SAM(OptimizerWrapper):
         first = [(g, v) for g, v in super().get_gradients(loss, variables, tape, loss_fn=loss_fn) if g is not None]
         if not self.per_replica and first:
             first = self.aggregate_gradients(first)
-        perturbed = [(v, tf.identity(tf.convert_to_tensor(v)), e) for v, e in self._perturbation(first)]
+        # One read of each weight: the copy that is put back, and ASAM's |w|.
+        saved = [tf.identity(tf.convert_to_tensor(v)) for _, v in first]
+        perturbed = [(v, w, e) for (_, v), w, e in zip(first, saved, self._perturbation(first, saved))]
         distribute.assign_local([(v, w + e) for v, w, e in perturbed])
         with tf.GradientTape() as again:
             value = loss_fn()
         grads = again.gradient(value, list(variables))
         with tf.control_dependencies([g for g in grads if g is not None and tf.is_tensor(g)]):
-            distribute.assign_local([(v, tf.identity(w)) for v, w, _ in perturbed])
+            distribute.assign_local([(v, w) for v, w, _ in perturbed])
         return list(zip(grads, variables))
 
-    def _perturbation(self, grads_and_vars: list) -> list:
-        """(variable, e) for every variable with a gradient."""
+    def _perturbation(self, grads_and_vars: list, weights: list) -> list:
+        """e for every (gradient, variable) pair, `weights` holding the variables' values."""
         scaled = []
-        for g, v in grads_and_vars:
+        for (g, _), w in zip(grads_and_vars, weights):
             g = tf.cast(tf.convert_to_tensor(g), tf.float32)
-            w = tf.cast(tf.convert_to_tensor(v), tf.float32)
+            w = tf.cast(w, tf.float32)
             scaled.append((g, w, g * tf.abs(w) if self.adaptive else g))
-        norm = tf.sqrt(tf.add_n([tf.reduce_sum(tf.square(t)) for _, _, t in scaled])) if scaled else None
+        # l2_loss (sum(x**2) / 2) is one fused kernel per tensor; doubling is exact.
+        norm = tf.sqrt(2.0 * tf.add_n([tf.nn.l2_loss(t) for _, _, t in scaled])) if scaled else None
         out = []
         for (g, w, _), (_, v) in zip(scaled, grads_and_vars):
             e = self.rho * (tf.square(w) * g if self.adaptive else g) / (norm + self.epsilon)
-            out.append((v, tf.cast(e, v.dtype)))
+            out.append(tf.cast(e, v.dtype))
         return out
 
     def get_config(self):
