@@ -22,6 +22,7 @@ from dist_minimize.transforms.base import (
 
 # Layout of ClipByGlobalNorm's state vector.
 _LAST_NORM, _LAST_CLIPPED, _NORM_SUM, _STEPS, _CLIPPED_STEPS, _NONFINITE_STEPS = range(6)
+_TOTALS = [False, False, True, True, True, True]  # the entries that accumulate
 
 
 class _Bound:
@@ -215,16 +216,11 @@ class ClipByGlobalNorm(_Bound, GradientTransform):
         norm64 = tf.cast(norm, tf.float64)
         clipped = tf.cast(tf.logical_and(finite, norm > clip), tf.float64)
         finite_f = tf.cast(finite, tf.float64)
-        old = tf.convert_to_tensor(self._state)
-        new = tf.stack([
-            norm64,
-            clipped,
-            old[_NORM_SUM] + tf.where(finite, norm64, tf.zeros_like(norm64)),
-            old[_STEPS] + finite_f,
-            old[_CLIPPED_STEPS] + clipped,
-            old[_NONFINITE_STEPS] + (1.0 - finite_f),
-        ])
-        distribute.assign_replicated(self._state, new)
+        # One vector op for the six entries: the last norm and flag replaced, the totals
+        # added to (a few ops per step, whatever the number of gradients).
+        step = tf.stack([norm64, clipped, tf.where(finite, norm64, tf.zeros_like(norm64)), finite_f, clipped,
+                         1.0 - finite_f])
+        distribute.assign_replicated(self._state, tf.where(_TOTALS, tf.convert_to_tensor(self._state) + step, step))
 
     def stats(self) -> dict:
         """Last norm, last clipped flag, and running totals (see the class docstring)."""
