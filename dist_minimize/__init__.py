@@ -71,6 +71,7 @@ __all__ = [
     "check_consistency",
     "checkpoint",
     "Checkpointer",
+    "optimizer_state_bytes",
     "cluster",
     "distribute",
     "horovod_keras",

@@ -67,7 +67,9 @@ class Sharding:
                     f"{type(tf.distribute.get_strategy()).__name__} ({distribute.strategy_replicas()} "
                     "replicas): the strategy mirrors every variable created in its scope, optimizer slots "
                     "included, on every replica. Launch with horovodrun or mpirun (the Horovod backend).")
-            self.size, self.rank = self.backend().processes()
+            backend = self._given.select() if hasattr(self._given, "select") else self._given
+            # One process and no job ("auto" chose no aggregation): the switch does nothing.
+            self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
             partition = _shards.Partition.balanced([_shards.elements_of(v) for v in var_list], self.size, self.rank)
             self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
             loads = partition.loads()
@@ -106,5 +108,35 @@ class Sharding:
         updated = [g is not None for g, _ in grads_and_vars]
         step.sum = backend.sum_scalar
         step.owns = lambda v: self.owner(v) == self.rank
+        step.everyones = lambda values: _everyones(backend, grads_and_vars, owners, self.rank, values)
         step.gather = lambda: backend.all_gather(variables, updated, owners)
         return out
+
+
+def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: list) -> list:
+    mine = [i for i, owner in enumerate(owners) if owner == rank]
+    if len(values) != len(mine):
+        raise ValueError(f"A sharded step's per-pair values must be one per pair of this process's share "
+                         f"({len(mine)}). Received: {len(values)} values")
+    given = dict(zip(mine, values))
+    present = [i for i, (g, _) in enumerate(grads_and_vars) if g is not None]
+    if not present:
+        return []
+    dtype = next((v.dtype for v in values if v is not None), tf.float32)
+    zero = tf.zeros([], dtype)
+    vector = tf.stack([given[i] if given.get(i) is not None else zero for i in present])
+    return tf.unstack(backend.sum_scalar(vector))
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of the optimizer stack's variables held by this process (every optimizer of
+    the stack: the update rule's slots and counters, the wrappers' state, statistics)."""
+    seen, total = set(), 0
+    for opt in optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]:
+        own = list(opt.variables) + list(getattr(opt, "statistics_variables", lambda: [])())
+        rule = getattr(opt, "inner_optimizer", None)
+        for v in own + (list(rule.variables) if rule is not None else []):
+            if id(v) not in seen:
+                seen.add(id(v))
+                total += _shards.elements_of(v) * tf.as_dtype(v.dtype).size
+    return total

@@ -83,6 +83,7 @@ class ShardedStep:
         self.sum: Callable | None = None
         self.gather: Callable[[], None] | None = None
         self.owns: Callable | None = None  # variable -> whether this process owns it
+        self.everyones: Callable | None = None  # see `everyones_values`
 
 
 class _Current(threading.local):
@@ -112,6 +113,18 @@ def share(grads_and_vars: list) -> list:
     if sharded is None or sharded.owns is None:
         return list(grads_and_vars)
     return [(g, v) for g, v in grads_and_vars if sharded.owns(v)]
+
+
+def everyones_values(values: list) -> list | None:
+    """In a sharded step: `values` (one scalar per pair of this process's share, in the
+    order the aggregation returned them; None where a pair has no gradient) completed
+    with every other process's, one per pair of the whole step that has a gradient, in
+    the step's order: what the unsharded step computes, element for element (one
+    collective: a sum where every other process adds an exact zero). None elsewhere."""
+    sharded = _CURRENT.step
+    if sharded is None or sharded.everyones is None:
+        return None
+    return sharded.everyones(values)
 
 
 def sum_over_shards(value):

@@ -106,6 +106,11 @@ class Checkpointer:
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         if self.optimizer is None:
             raise ValueError("`optimizer` is None and the model has none: compile the model or pass `optimizer`.")
+        if self.directory and getattr(_stack(self.optimizer)[-1], "shard_optimizer_state", False):
+            raise ValueError(
+                "Checkpointer does not save a sharded optimizer state yet (each process holds only its "
+                "share: shard_optimizer_state=True). Train without `directory`, or unsharded. Received: "
+                f"directory={directory!r} with shard_optimizer_state=True")
         self.every, self.keep, self.exit_code = every, keep, exit_code
         self.step = 0  # batches trained since the job began
         self.stopping = False

@@ -97,8 +97,19 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
     if optimizer is not None:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        variables += list(optimizer.variables)
+        variables += _held_by_every_rank(list(optimizer.variables))
     broadcast_variables(variables, root_rank)
+
+
+def _held_by_every_rank(variables: list) -> list:
+    """`variables` less the ones of this rank's share of a sharded optimizer state
+    (`shard_optimizer_state=True`): those that every rank holds (by path), in the same
+    order everywhere."""
+    everyone = _hvd().allgather_object([v.path for v in variables])
+    common = set.intersection(*(set(paths) for paths in everyone))
+    if len(common) == len(variables) and all(len(paths) == len(variables) for paths in everyone):
+        return variables
+    return sorted((v for v in variables if v.path in common), key=lambda v: v.path)
 
 
 class BroadcastVariablesCallback(keras.callbacks.Callback):

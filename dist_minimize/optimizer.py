@@ -163,7 +163,7 @@ class Optimizer(StagedOptimizer):
             raise TypeError("`shard_optimizer_state` must be a bool. "
                             f"Received: shard_optimizer_state={shard_optimizer_state!r}")
         if shard_optimizer_state:
-            _sharding.check_backends(aggregating, aggregators)
+            _sharding.check_backends(aggregating, aggregate_gradients)
         translation = _keras_settings.translate(inner, gradient_fns)
         _keras_settings.disable(inner, translation)
         super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)

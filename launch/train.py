@@ -20,7 +20,10 @@ average of the weights (the test accuracy is also reported with the averages),
 `--dp-noise-multiplier S` trains with DP-SGD (per-example clipping to `--dp-l2-norm-clip`,
 noise added once to the global sum; prints epsilon for `--dp-delta` at the end),
 `--weight-decay W` decays every kernel (not the biases) before each update, and
-`--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`).
+`--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`), and
+`--shard-optimizer-state` keeps on each Horovod process only its share of the optimizer
+state (docs/sharding.md). Every process prints `[train] optimizer state bytes on this
+process: <n>`.
 
 Fault tolerance (issue 25, docs/fault-tolerance.md): `--checkpoint-dir DIR` resumes from
 the newest checkpoint in DIR and saves into it every `--checkpoint-every` batches and on
@@ -62,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp-delta", type=float, default=1e-5, help="DP-SGD: the delta epsilon is reported for")
     p.add_argument("--accumulate", type=int, default=None, metavar="K",
                    help="dm.GradientAccumulation(steps=K): one update per K batches")
+    p.add_argument("--shard-optimizer-state", action="store_true",
+                   help="each process keeps the optimizer state of its share of the weights (Horovod launchers)")
     p.add_argument("--checkpoint-dir", default=None, help="resume from / save checkpoints into this directory")
     p.add_argument("--checkpoint-every", type=int, default=5, help="batches between checkpoints (default 5)")
     p.add_argument("--fail-at", type=int, default=None, metavar="STEP",
@@ -138,7 +143,8 @@ def build_model(keras, args):
     ])
     lr = args.learning_rate or (1e-2 if args.optimizer == "adam" else 0.2)
     inner = keras.optimizers.Adam(lr) if args.optimizer == "adam" else keras.optimizers.SGD(lr)
-    optimizer = dm.Optimizer(inner, transform_gradients=dm.clip_by_global_norm(args.clip_norm))
+    optimizer = dm.Optimizer(inner, transform_gradients=dm.clip_by_global_norm(args.clip_norm),
+                             shard_optimizer_state=args.shard_optimizer_state)
     if args.accumulate is not None:
         optimizer = dm.GradientAccumulation(optimizer, steps=args.accumulate)
     if args.weight_decay is not None:
@@ -174,7 +180,8 @@ def describe_wrappers(args) -> str:
         parts.append(f"DecoupledWeightDecay({args.weight_decay})")
     if args.accumulate is not None:
         parts.append(f"GradientAccumulation({args.accumulate})")
-    return ("; wrappers " + " > ".join(parts)) if parts else ""
+    sharded = "; optimizer state sharded across the processes" if args.shard_optimizer_state else ""
+    return sharded + (("; wrappers " + " > ".join(parts)) if parts else "")
 
 
 def report(args, model, optimizer, evaluate, steps: int, train_size: int) -> None:
@@ -207,6 +214,13 @@ def fingerprint(values) -> str:
     for v in values:
         h.update(np.ascontiguousarray(np.asarray(v)).tobytes())
     return h.hexdigest()[:16]
+
+
+def print_state_bytes(optimizer) -> None:
+    """Every process's optimizer state bytes (a share of them with --shard-optimizer-state)."""
+    import dist_minimize as dm
+
+    print(f"[train] optimizer state bytes on this process: {dm.optimizer_state_bytes(optimizer)}", flush=True)
 
 
 def print_fingerprints(model, optimizer, root: bool) -> None:
@@ -334,6 +348,7 @@ def run_fit(args, strategy=None) -> float:
     def evaluate():
         return model.evaluate(test, verbose=0)[1]
 
+    print_state_bytes(optimizer)
     print_fingerprints(model, optimizer, bool(verbose))
     accuracy = evaluate()
     if verbose:
@@ -415,6 +430,7 @@ def run_multiworker(args) -> float:
                       f"{d['clipped_steps'] / max(d['steps'], 1):.4g}", flush=True)
             before, losses = after, []
     ckpt.finish()
+    print_state_bytes(optimizer)
     print_fingerprints(model, optimizer, task == 0)
 
     def evaluate():

@@ -246,10 +246,11 @@ def shard_rows(x, y, shard: int, num_shards: int, global_batch: int = GLOBAL_BAT
 
 
 def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip="always",
-                    aggregate="auto", unaggregated=None):
+                    aggregate="auto", unaggregated=None, shard: bool = False):
     """A dist_minimize optimizer with a global-norm clipper, or stock Keras global_clipnorm.
 
-    unaggregated: optional `transform_unaggregated_gradients` (e.g. a recorder)."""
+    unaggregated: optional `transform_unaggregated_gradients` (e.g. a recorder).
+    shard: `shard_optimizer_state=True`."""
     inner = make_inner(keras, opt_name)
     mode = clip_mode(clip)
     if not use_dm:
@@ -259,7 +260,8 @@ def build_optimizer(dm, keras, opt_name: str, use_dm: bool = True, clip="always"
         config["global_clipnorm"] = CLIPS[mode] if mode else None
         return type(inner).from_config(config)
     return dm.Optimizer(inner, aggregate_gradients=aggregate, transform_unaggregated_gradients=unaggregated,
-                        transform_gradients=[dm.clip_by_global_norm(CLIPS[mode])] if mode else None)
+                        transform_gradients=[dm.clip_by_global_norm(CLIPS[mode])] if mode else None,
+                        **({"shard_optimizer_state": True} if shard else {}))
 
 
 class MaxAbsRecorder:
@@ -291,7 +293,7 @@ def clipped_steps(opt) -> int | None:
 def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="always",
           dataset=None, eager: bool = False, steps: int = STEPS, loss_denominator: int = GLOBAL_BATCH,
           aggregate="auto", model_seed: int = 1, callbacks=(), unaggregated=None, wrap=None,
-          build_first: bool = False, lazy: bool = False):
+          build_first: bool = False, lazy: bool = False, shard: bool = False):
     """Trains `steps` steps under `strategy`; returns (weights, optimizer, model).
 
     mode: "fit" (model.compile + model.fit), "fit_integrated" (the same after
@@ -317,7 +319,7 @@ def train(strategy, opt_name: str, mode: str, *, use_dm: bool = True, clip="alwa
     x, y = make_data(steps)
     with strategy.scope():
         model = make_model(keras, seed=model_seed)
-        opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated)
+        opt = build_optimizer(dm, keras, opt_name, use_dm, clip, aggregate, unaggregated, shard)
         per_example = wrap in PRIVACY_WRAPPERS
         if callable(wrap):
             opt = wrap(dm, opt)
@@ -447,6 +449,30 @@ def train_custom(strategy, make_optimizer, dataset, steps: int, loss_denominator
     for i in range(steps):
         step(next(it), tf.constant(multiplier(i) if multiplier else 1.0))
     return weights(model), opt
+
+
+# shard_optimizer_state=True against the same run unsharded ("OPT/MODE/CLIP[/WRAP]"),
+# in tests/workers/horovod_worker.py's "sharded" scenario.
+SHARD_CASES = ["sgd/callable/some", "adam/callable/some", "adam/fit/some", "adam/tape/never",
+               "adam/callable/some/stack", "adam/callable/some/sam"]
+SHARD_WRAPS = {
+    "stack": lambda dm, opt: dm.LossScaleOptimizer(dm.DecoupledWeightDecay(opt, weight_decay=0.1),
+                                                   initial_scale=64.0, growth_interval=2),
+    "sam": lambda dm, opt: dm.SAM(opt, rho=0.05),
+}
+
+
+def slots_by_variable(opt, model) -> dict:
+    """The update rule's slots, keyed "INDEX:SLOT" by the index of the trained variable
+    they belong to (Keras names a slot after its variable's path), as lists."""
+    rule = opt.stack()[-1].inner_optimizer
+    out = {}
+    for i, v in enumerate(model.trainable_variables):
+        prefix = v.path.replace("/", "_") + "_"
+        for s in rule.variables:
+            if s.name.startswith(prefix):
+                out[f"{i}:{s.name[len(prefix):]}"] = np.asarray(s).tolist()
+    return out
 
 
 def lso_sgd(dm, keras):

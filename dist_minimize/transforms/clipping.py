@@ -114,15 +114,18 @@ def global_norm(gradients) -> tf.Tensor:
     `None` gradients are ignored; `IndexedSlices` count as the dense gradient they sum
     to. Returns 0.0 when there is no gradient.
     """
-    gradients = [g for g in gradients if g is not None]
-    dtype = accumulation_dtype(gradients)
+    gradients = list(gradients)
+    dtype = accumulation_dtype([g for g in gradients if g is not None])
     # `l2_loss` (sum(x**2) / 2) is one fused kernel per tensor, where square + sum is two
     # ops and a temporary the size of the gradient; doubling is exact.
-    halves = [tf.nn.l2_loss(tf.cast(dense_values(g), dtype)) for g in gradients]
-    total = tf.add_n(halves) if halves else tf.constant(0.0, dtype)
+    halves = [tf.nn.l2_loss(tf.cast(dense_values(g), dtype)) if g is not None else None for g in gradients]
     # In a sharded step (`shard_optimizer_state=True`) each process holds its share of
-    # the gradients: the squares are summed across processes (one scalar collective).
-    return tf.sqrt(2.0 * _shards.sum_over_shards(total))
+    # the gradients: every process's halves, in the unsharded step's order (one collective).
+    everyones = _shards.everyones_values(halves)
+    halves = everyones if everyones is not None else [h for h in halves if h is not None]
+    if not halves:
+        return tf.constant(0.0, dtype)
+    return tf.sqrt(2.0 * tf.add_n(halves))
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import proc
+from conftest import requires_horovod
 from dist_minimize import launcher
 
 pytestmark = pytest.mark.distributed
@@ -84,3 +85,30 @@ def test_main_job_with_every_wrapper_flag(tmp_path, launcher_name):
     assert rc == 0, text[-5000:]
     check_wrapper_output(text)
     assert "Traceback" not in text, text[-5000:]
+
+
+@requires_horovod
+def test_main_job_shards_the_optimizer_state_under_horovodrun(tmp_path):
+    """`--shard-optimizer-state`: each of the 2 processes prints its optimizer state
+    bytes, together the unsharded job's (Adam's slots once, the counters on both), each
+    at most half of the slots plus the largest kernel's (64 x 128 weights, 8 bytes each),
+    and the job trains as well."""
+    printed = {}
+    for flags in ([], ["--shard-optimizer-state"]):
+        log = tmp_path / f"log{len(flags)}.txt"
+        with open(log, "w") as f:
+            rc = launcher.launch("horovod-gloo", 2, [os.path.join(proc.ROOT, "launch", "train.py"), "--epochs", "1",
+                                                     *flags], timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
+        text = log.read_text()
+        assert rc == 0, text[-5000:]
+        printed[bool(flags)] = [int(line.split("optimizer state bytes on this process: ")[1].split()[0])
+                                for line in text.splitlines() if "optimizer state bytes on this process: " in line]
+        assert len(printed[bool(flags)]) == 2, text[-3000:]
+        assert float(text.split("[train] test accuracy ")[1].split()[0]) > 0.9
+    plain, shares = printed[False], printed[True]
+    assert plain[0] == plain[1]
+    weights = 64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10
+    counters = plain[0] - 8 * weights
+    assert 0 < counters < 200
+    assert sum(shares) == 8 * weights + 2 * counters
+    assert max(shares) <= 8 * weights / 2 + 8 * 64 * 128 + counters

@@ -8,6 +8,8 @@ Usage: horovod_worker.py OUT_DIR SCENARIO
                    mpi4py/Horovod library check
   three    (np=3, MPI)  Adasum refused on 3 processes; a process set built from an mpi4py
                    communicator (ranks 0, 1) trains with parity while rank 2 stays out
+  sharded  (np=2, 4)  each case of parity_lib.SHARD_CASES unsharded and with
+                   shard_optimizer_state=True; an inf on one rank skipped by every rank
 Each rank writes OUT_DIR/rank{R}.json.
 """
 
@@ -283,6 +285,31 @@ if scenario == "parity":
     model, opt = xla_fit(True)
     results["xla_integrated"] = {"weights": lists(P.weights(model)), "jit_compile": model.jit_compile,
                                  "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
+
+elif scenario == "sharded":
+    hvd = dm.horovod_keras.init()
+    rank, size = hvd.rank(), hvd.size()
+    local = P.GLOBAL_BATCH // size
+    for case in P.SHARD_CASES:
+        opt_name, mode, clip, *wrap = case.split("/")
+        runs = {}
+        for shard in (False, True):
+            w, opt, model = P.train(default, opt_name, mode, clip=clip, dataset=P.local_dataset(rank, size),
+                                    loss_denominator=local, wrap=P.SHARD_WRAPS[wrap[0]] if wrap else None, shard=shard)
+            runs["sharded" if shard else "unsharded"] = {
+                "weights": lists(w), "slots": P.slots_by_variable(opt, model),
+                "state_bytes": dm.optimizer_state_bytes(opt), "clipped_steps": P.clipped_steps(opt),
+                "iterations": int(opt.iterations.numpy())}
+        results[case] = runs
+    for shard in (False, True):
+        # An inf planted at step 2 on the last rank only: every rank must skip it.
+        def make(shard=shard):
+            return dm.LossScaleOptimizer(P.build_optimizer(dm, keras, "sgd", clip="some", shard=shard),
+                                         initial_scale=64.0)
+        w, opt = P.train_custom(default, make, P.local_dataset(rank, size), P.STEPS, local,
+                                multiplier=lambda i: float("inf") if (i == 2 and rank == size - 1) else 1.0)
+        results[f"lso_inf/{'sharded' if shard else 'unsharded'}"] = {
+            "weights": lists(w), "skipped": int(opt.skipped_steps.numpy()), "iterations": int(opt.iterations.numpy())}
 
 elif scenario == "keras_rules":
     # Every update rule keras.optimizers exports (tests/distributed/test_keras_parity.py).

@@ -1,0 +1,112 @@
+"""`shard_optimizer_state=True` in one process: the partition (dist_minimize/_shards.py),
+what is refused with which message, the one-process no-op, the settings round trip and
+`optimizer_state_bytes`. Parity across processes: tests/distributed/test_sharded_state.py."""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import dist_minimize as dm
+from conftest import mirrored_strategy, requires_horovod
+from dist_minimize._shards import Partition
+
+
+def model():
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+
+
+def test_partition_balances_whole_variables_largest_first():
+    sizes = [40, 8, 8, 1, 300, 7, 64, 64]
+    for n in (1, 2, 3, 4, 8, 11):
+        parts = [Partition.balanced(sizes, n, r) for r in range(n)]
+        assert all(p.owner == parts[0].owner for p in parts)  # every process computes the same
+        assert sorted(i for p in parts for i in p.mine) == list(range(len(sizes)))  # each once
+        loads = parts[0].loads()
+        assert sum(loads) == sum(sizes)
+        assert max(loads) <= sum(sizes) / n + max(sizes)
+    # 2 processes: the 300-element variable alone on one, the other 192 on the other.
+    assert Partition.balanced(sizes, 2, 0).loads() == [300, 192]
+
+
+def test_more_processes_than_variables_leaves_some_without_state():
+    p = Partition.balanced([5, 3], 4, 3)
+    assert p.loads() == [5, 3, 0, 0] and p.mine == []
+
+
+def test_one_process_is_a_no_op_with_a_log_line(caplog):
+    x = np.random.default_rng(0).normal(size=(16, 5)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(16, 1)).astype("float32")
+    results = []
+    for shard in (False, True):
+        m = model()
+        opt = dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(0.5),
+                           shard_optimizer_state=shard)
+        with caplog.at_level(logging.INFO, logger="dist_minimize"):
+            for _ in range(3):
+                opt.minimize(lambda: tf.reduce_mean(tf.square(m(x) - y)), m.trainable_variables)
+        results.append(([w.copy() for w in m.get_weights()], dm.optimizer_state_bytes(opt)))
+    assert all(np.array_equal(a, b) for a, b in zip(results[0][0], results[1][0]))
+    assert results[0][1] == results[1][1]
+    assert "shard_optimizer_state=True with one process" in caplog.text
+
+
+def test_optimizer_state_bytes_counts_every_variable_of_the_stack():
+    m = model()
+    opt = dm.LossScaleOptimizer(dm.Optimizer(keras.optimizers.Adam(0.01),
+                                             transform_gradients=dm.clip_by_global_norm(1.0)))
+    opt.build(m.trainable_variables)
+    weights = sum(int(np.prod(v.shape)) for v in m.trainable_variables)
+    # Adam: 2 float32 slots per weight, plus counters and statistics.
+    assert 8 * weights < dm.optimizer_state_bytes(opt) < 8 * weights + 200
+
+
+@pytest.mark.parametrize("aggregate", ["none", "strategy"])
+def test_refused_without_a_sharding_backend(aggregate):
+    with pytest.raises(ValueError, match=f"shard_optimizer_state=True.*aggregate_gradients='{aggregate}'"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=aggregate, shard_optimizer_state=True)
+
+
+def test_refused_as_a_non_bool():
+    with pytest.raises(TypeError, match="shard_optimizer_state=1"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=1)
+
+
+@requires_horovod
+@pytest.mark.parametrize("options", [{"reduction": "adasum"}, {"compression": "fp16"}])
+def test_refused_with_horovod_settings_it_cannot_keep(options):
+    with pytest.raises(ValueError, match="reduce-scatters the gradients"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=dm.aggregation.HorovodAggregator(**options),
+                     shard_optimizer_state=True)
+
+
+def test_refused_under_mirrored_strategy_naming_it():
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        m = model()
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True)
+        with pytest.raises(ValueError, match="cannot run under MirroredStrategy.*horovodrun"):
+            opt.build(m.trainable_variables)
+
+
+def test_refused_with_a_wrapper_that_does_not_declare_shards_state():
+    m = model()
+    opt = dm.MovingAverage(dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True))
+    with pytest.raises(ValueError, match="MovingAverage does not declare `shards_state = True`"):
+        opt.build(m.trainable_variables)
+
+
+def test_checkpointer_refuses_a_sharded_state(tmp_path):
+    m = model()
+    m.compile(loss="mse", optimizer=dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True))
+    with pytest.raises(ValueError, match="does not save a sharded optimizer state"):
+        dm.Checkpointer(str(tmp_path), m)
+
+
+def test_the_setting_survives_get_config():
+    opt = dm.Optimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
+    again = dm.Optimizer.from_config(opt.get_config())
+    assert again.shard_optimizer_state and not dm.Optimizer(keras.optimizers.Adam(0.01)).shard_optimizer_state
