@@ -36,6 +36,7 @@ ONE_AGGREGATION_FILE = f"{D}/test_one_aggregation.py"
 BACKEND_OPTIONS = f"{D}/test_backend_options.py"
 LIFECYCLE = f"{D}/test_process_lifecycle.py"
 SECURITY = "tests/distributed/test_security.py::test_a_local_job_listens_on_loopback_only"
+SHARDED = f"{D}/test_sharded_state.py"
 # Tests run with the strategy as a parameter ("mirrored-2", "multiworker", "horovod-gloo",
 # ...): a test id names every strategy's cases, or one parameter ("...[mirrored-eager-0]").
 STRATEGY_PARITY = f"{PARITY}::test_matches_single_device"
@@ -474,6 +475,28 @@ MUTATIONS = [
              "        if False:\n            return False",
              ["tests/unit/test_checkpoint.py::test_sigterm_saves_at_the_next_boundary_and_exits_42",
               "tests/distributed/test_restarts.py::test_a_lost_worker_costs_time_not_the_result"]),
+    # Issue 26: sharded optimizer state.
+    Mutation("shard-update-not-owned", "each process updates the share of the next process, with its own gradients",
+             "dist_minimize/aggregation/sharded.py",
+             "    out = {i: None for i, owner in enumerate(owners) if owner == rank}\n",
+             "    out = {i: None for i, owner in enumerate(owners) if owner == (rank + 1) % size}\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
+    Mutation("shard-clip-local-norm", "a sharded step clips by the norm of the process's own share",
+             "dist_minimize/transforms/clipping.py",
+             "    everyones = _shards.everyones_values(halves)\n",
+             "    everyones = None\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
+    Mutation("shard-allgather-skipped", "the new weights of the other shares are never gathered",
+             "dist_minimize/staged.py",
+             "                sharded.gather()\n",
+             "                pass\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
+    Mutation("shard-local-slice", "the reduce-scatter is a local slice of the process's own, unaggregated gradients",
+             "dist_minimize/aggregation/horovod.py",
+             "                                      lambda buffer: self._hvd.reducescatter(\n",
+             "                                      lambda buffer: tf.reshape(buffer, [size, -1])[rank] if True else "
+             "self._hvd.reducescatter(\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
     Mutation("no-restart", "the launcher ignores max_restarts",
              "dist_minimize/launcher.py",
              "    for attempt in range(max_restarts + 1):\n",
