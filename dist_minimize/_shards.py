@@ -133,3 +133,22 @@ def sum_over_shards(value):
     if sharded is None or sharded.sum is None:
         return value
     return sharded.sum(value)
+
+
+def share_of(optimizer, var_list: list) -> list:
+    """The variables of `var_list` whose state `optimizer` (a stack) builds: all, or with
+    `shard_optimizer_state=True` at the bottom of the stack this process's share.
+
+    Raises:
+      ValueError: an optimizer of the stack does not declare `shards_state = True`.
+    """
+    stack = optimizer.stack()
+    if not getattr(stack[-1], "shard_optimizer_state", False):
+        return var_list
+    refused = [type(opt).__name__ for opt in stack[:-1] if not opt.shards_state]
+    if refused:
+        raise ValueError(
+            f"shard_optimizer_state=True: {', '.join(refused)} does not declare `shards_state = True` "
+            "(its state or hooks need every variable on every process). Wrappers that shard their "
+            "state: LossScaleOptimizer, DecoupledWeightDecay, SAM (docs/sharding.md).")
+    return stack[-1].shard(var_list)

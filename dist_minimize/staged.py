@@ -347,7 +347,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
         self._dm_state = _BuiltState(var_list)
         # With `shard_optimizer_state=True` at the bottom, every optimizer of the stack
         # keeps state for this process's share of the variables only (`shards_state`).
-        var_list = self._share(var_list)
+        var_list = _shards.share_of(self, var_list)
         self.build_state(var_list)
         # Keras's base `build` creates EMA averages and gradient accumulators when
         # `use_ema`/`gradient_accumulation_steps` read true; here they report the stack,
@@ -363,18 +363,6 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
     # share, its hooks and `transform_gradients` see the share's gradients only, and it
     # writes no trained variable outside a step. See docs/sharding.md.
     shards_state: bool = False
-
-    def _share(self, var_list: list) -> list:
-        bottom = self.stack()[-1]
-        if not getattr(bottom, "shard_optimizer_state", False):
-            return var_list
-        refused = [type(opt).__name__ for opt in self.stack()[:-1] if not opt.shards_state]
-        if refused:
-            raise ValueError(
-                f"shard_optimizer_state=True: {', '.join(refused)} does not declare `shards_state = True` "
-                "(its state or hooks need every variable on every process). Wrappers that shard their "
-                "state: LossScaleOptimizer, DecoupledWeightDecay, SAM (docs/sharding.md).")
-        return bottom.shard(var_list)
 
     def build_state(self, var_list: list) -> None:
         """Creates this optimizer's own state for `var_list`; called once, by `build`.
