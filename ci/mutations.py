@@ -120,9 +120,9 @@ MUTATIONS = [
              [HOROVOD_PARITY]),
     Mutation("aggregate-twice", "the optimizer runs aggregate_gradients twice per step",
              "dist_minimize/staged.py",
-             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
-             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
-             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n',
+             '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'
+             '                aggregated = top.aggregate_gradients(list(aggregated))\n',
              tests(MIRRORED, MULTIWORKER, HOROVOD_PARITY, HOROVOD_ONE_ALLREDUCE)),
     Mutation("keras-all-reduce-kept", "the inner Keras optimizer's own all-reduce is left on (two aggregations)",
              "dist_minimize/_compat/__init__.py",
@@ -167,12 +167,14 @@ MUTATIONS = [
              [f"{BACKEND_OPTIONS}::test_fp16_compression_within_its_bound_and_not_skipped"]),
     Mutation("clip-before-aggregation", "transform_gradients (the clipper) runs before aggregation",
              "dist_minimize/staged.py",
-             '            if aggregate:\n'
-             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n'
-             '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
-             '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
-             '            if aggregate:\n'
-             '                grads_and_vars = top._run_stage("aggregate_gradients", top.aggregate_gradients, grads_and_vars)\n',
+             ('                    "aggregate_gradients", _shards.share(grads_and_vars), aggregated)\n'
+              '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
+              '            if aggregate:\n'
+              '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'),
+             ('                    "aggregate_gradients", _shards.share(grads_and_vars), aggregated)\n',
+              '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
+              '            if aggregate:\n'
+              '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'),
              tests(MIRRORED, MULTIWORKER, HOROVOD_PARITY)),
     Mutation("dp-noise-before-aggregation", "DifferentialPrivacy adds its noise on each replica before aggregation",
              "dist_minimize/wrappers/privacy.py",
