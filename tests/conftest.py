@@ -39,14 +39,16 @@ def mirrored_strategy() -> "tf.distribute.MirroredStrategy":
 
 # Tests run by the default profile only (ci/test.sh deselects them on the others with
 # `-m "not default_profile_only"`): those of the project's own process and file handling
-# (launcher, supervision, restarts, repository tooling), which no TensorFlow version
+# (launcher, supervision, restarts, what a job listens on, repository tooling and
+# checks), which no TensorFlow version
 # changes, and every case on 4 MirroredStrategy replicas (`jobs.run_param`): the
 # replica count's effect is checked once, TensorFlow's MirroredStrategy on each profile
 # with 2 replicas. The checkpoint's TensorFlow side runs on every profile
 # (tests/unit/test_checkpoint.py).
 DEFAULT_PROFILE_ONLY = ("tests/tooling/", "tests/distributed/test_process_lifecycle.py",
                         "tests/distributed/test_restarts.py", "tests/unit/test_launcher_restarts.py",
-                        "tests/unit/test_launcher_cluster.py")
+                        "tests/unit/test_launcher_cluster.py", "tests/distributed/test_security.py",
+                        "tests/distributed/test_repository_checks.py")
 default_profile_only = pytest.mark.default_profile_only
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
