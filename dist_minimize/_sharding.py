@@ -47,8 +47,12 @@ class Sharding:
         self._owners: dict | None = None
         self.size, self.rank = 1, 0
 
+    def _chosen(self):
+        """The backend this step uses ("auto" chooses from the context)."""
+        return self._given.select() if hasattr(self._given, "select") else self._given
+
     def backend(self):
-        backend = self._given.select() if hasattr(self._given, "select") else self._given
+        backend = self._chosen()
         if not hasattr(backend, "reduce_scatter"):
             raise ValueError(
                 "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun); here the "
@@ -67,7 +71,7 @@ class Sharding:
                     f"{type(tf.distribute.get_strategy()).__name__} ({distribute.strategy_replicas()} "
                     "replicas): the strategy mirrors every variable created in its scope, optimizer slots "
                     "included, on every replica. Launch with horovodrun or mpirun (the Horovod backend).")
-            backend = self._given.select() if hasattr(self._given, "select") else self._given
+            backend = self._chosen()
             # One process and no job ("auto" chose no aggregation): the switch does nothing.
             self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
             partition = _shards.Partition.balanced([_shards.elements_of(v) for v in var_list], self.size, self.rank)
