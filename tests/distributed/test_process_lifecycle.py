@@ -5,6 +5,7 @@ worker blocks on a full pipe; a port taken between its choice and its bind start
 job again on new ports. The launcher is the `name` parameter where several are checked."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -191,8 +192,11 @@ def test_failing_worker_ends_the_job_quickly(tmp_path, launcher_name, mode):
     assert rc not in (0, 124), text[-3000:]
     assert elapsed < 60, f"took {elapsed:.0f} s"
     assert "[launch] failed: python: exit status" in text, text[-3000:]  # horovodrun's own status
-    if launcher_name == "horovod-gloo":  # and the rank horovodrun named, with how it ended
-        how = "exit status 137 (128 + SIGKILL)" if mode == "kill" else "exit status 1"
-        assert f"(rank 1 failed first: {how})" in text, text[-3000:]
+    if launcher_name == "horovod-gloo" and mode == "kill":  # the rank horovodrun named, and how
+        assert "(rank 1 failed first: exit status 137 (128 + SIGKILL))" in text, text[-3000:]
+    if launcher_name == "horovod-gloo" and mode == "raise":
+        # Rank 1's exception shuts Horovod down; rank 0's next collective then raises, and
+        # either process may be the first to exit: horovodrun names whichever did.
+        assert re.search(r"\(rank [01] failed first: exit status 1\)", text), text[-3000:]
     if mode == "raise":
         assert "planted failure on rank 1" in text
