@@ -147,10 +147,20 @@ def main(argv):
         models["MLP 200 x Dense(32)"] = _steps.mlp(200, 32)
     results = {"np": hvd.size(), "steps": [], "aggregation": [], "custom": []}
     kinds = ("dm_clip", "hand_clip", "hand_clip_guard", "dm_clip_noguard", "dm_clip_lowered", "hand_clip_select")
+    focus = {"reps": 3, "block_seconds": 0.0} if quick else {}
+
+    def focused(kinds, build, *args):  # kinds[0] against kinds[1] alone, with the A/A control
+        a, b, b_again = (HvdStep(k, build, 128, *args) for k in (kinds[0], kinds[1], kinds[1]))
+        f = _timing.focused(a.run, b.run, b_again.run, agree=agree, **focus)
+        return {"ratio": f.ratio.as_dict(), "control": f.control.as_dict(),
+                "ms": {kinds[0]: f.timings.median_ms("a"), kinds[1]: f.timings.median_ms("b")},
+                "traces": {"a": a.traces, "b": b.traces, "b_again": b_again.traces}}
+
     for label, build in models.items():
         variants = {k: HvdStep(k, build, 128) for k in kinds}
         t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
                               block_seconds=block, agree=agree)
+        alone = focused(("dm_clip", "hand_clip"), build)
         results["steps"].append({
             "model": label, "local_batch": 128, "variables": len(variants["dm_clip"].variables),
             "ms": {k: t.median_ms(k) for k in variants},
@@ -159,27 +169,18 @@ def main(argv):
             "ratio_noguard": t.ratio("dm_clip_noguard", "hand_clip").as_dict(),
             "ratio_lowered": t.ratio("dm_clip_lowered", "hand_clip").as_dict(),
             "ratio_select": t.ratio("hand_clip_select", "hand_clip").as_dict(),
+            "alone": alone,
             "traces": {k: v.traces for k, v in variants.items()}})
     average = _wrappers.docs_wrapper()
     custom = {"MLP 10 x Dense(256)": _steps.mlp(10, 256)}
     if not quick:
         custom["MLP 50 x Dense(128)"] = _steps.mlp(50, 128)
     for label, build in custom.items():  # section 10 under horovodrun
-        variants = {k: HvdStep(k, build, 128) for k in ("dm_sam", "hand_sam")}
-        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
-                              block_seconds=block, agree=agree)
-        results.setdefault("sam", []).append({
-            "model": label, "variables": len(variants["dm_sam"].variables),
-            "ms": {k: t.median_ms(k) for k in variants}, "ratio": t.ratio("dm_sam", "hand_sam").as_dict(),
-            "traces": {k: v.traces for k, v in variants.items()}})
+        results.setdefault("sam", []).append({"model": label, "variables": len(build().trainable_variables),
+                                              **focused(("dm_sam", "hand_sam"), build)})
     for label, build in custom.items():  # section 8 under horovodrun
-        variants = {k: HvdStep(k, build, 128, average) for k in ("docs_avg", "builtin_avg")}
-        t = _timing.alternate({k: v.run for k, v in variants.items()}, reps=reps, steps=steps,
-                              block_seconds=block, agree=agree)
-        results["custom"].append({
-            "model": label, "variables": len(variants["docs_avg"].variables),
-            "ms": {k: t.median_ms(k) for k in variants}, "ratio": t.ratio("docs_avg", "builtin_avg").as_dict(),
-            "traces": {k: v.traces for k, v in variants.items()}})
+        results["custom"].append({"model": label, "variables": len(build().trainable_variables),
+                                  **focused(("docs_avg", "builtin_avg"), build, average)})
     count, size = (200, 1024) if quick else (200, 4096)
     variants = {"many": HvdAggregation(count, size), "one": HvdAggregation(1, count * size),
                 "many_unpacked": HvdAggregation(count, size, bytes_per_pack=0)}

@@ -31,6 +31,9 @@ HERE = os.path.join(ROOT, "benchmarks")
 
 SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers", "custom", "guard", "sam")
 STEP_TARGET, WRAPPER_TARGET, AGG_TARGET, MEMORY_TARGET = 1.03, 1.05, 0.9, 1.05
+FOCUS_NOTE = ("The check and the A/A control: the two steps compared alone, with a second, independently built "
+              "copy of the anchor, in 0.1 s blocks alternating 61 times (benchmarks/_timing.focused); the "
+              "control's distance from 1 is this machine's noise on the same comparison.")
 
 
 def fmt(r: dict) -> str:
@@ -59,6 +62,16 @@ class Context:
         # a timed block of about 0.4 s: shorter ones measured mostly the machine (an A/A
         # comparison of one step against itself spread 0.92-1.10 per rep at 0.4 s)
         self.block_seconds = 0.0 if quick else 0.4
+        # the checked rows of sections 8-10: a focused comparison (see _timing.focused)
+        self.focus = {"reps": 3, "block_seconds": 0.0} if quick else {}
+
+
+def _focused(ctx, make_a, make_b):
+    """`make_a()` against `make_b()` alone, with the A/A control (a second `make_b()`)."""
+    from benchmarks import _timing
+
+    a, b, b_again = make_a(), make_b(), make_b()
+    return _timing.focused(a.run, b.run, b_again.run, **ctx.focus), (a, b, b_again)
 
 
 def _compare(ctx, makers: dict, steps: int | None = None, multiple: int = 1, calibrate: bool = True):
@@ -340,7 +353,8 @@ def section_wrappers(ctx):
 
 def _pair(ctx, make, kinds: tuple[str, str], name: str, target: float):
     """Rows and checks of a two-variant section: `make(kind, build, batch)` for each kind on
-    an MLP of 20 and one of 100 variables; the check is kinds[0] / kinds[1] <= `target`."""
+    an MLP of 20 and one of 100 variables, compared alone (`_focused`: with the A/A
+    control); the check is kinds[0] / kinds[1] <= `target`."""
     from benchmarks import _steps
 
     models = [("MLP 10 x Dense(256), 20 variables", _steps.mlp(10, 256), 256),
@@ -349,10 +363,10 @@ def _pair(ctx, make, kinds: tuple[str, str], name: str, target: float):
         models = [("MLP 4 x Dense(32)", _steps.mlp(4, 32), 64)]
     rows, checks = [], []
     for label, build, batch in models:
-        t, built = _compare(ctx, {k: (lambda k=k: make(k, build, batch)) for k in kinds})
-        r = t.ratio(*kinds).as_dict()
-        rows.append([label, f"{t.median_ms(kinds[0]):.1f}", f"{t.median_ms(kinds[1]):.1f}", fmt(r),
-                     "/".join(str(b.traces) for b in built.values())])
+        f, built = _focused(ctx, *(lambda k=k: make(k, build, batch) for k in kinds))
+        r = f.ratio.as_dict()
+        rows.append([label, f"{f.timings.median_ms('a'):.1f}", f"{f.timings.median_ms('b'):.1f}", fmt(r),
+                     fmt(f.control.as_dict()), "/".join(str(b.traces) for b in built)])
         checks.append(check(name.format(label), r, target))
     return rows, checks
 
@@ -370,10 +384,10 @@ def section_custom(ctx):
     return {
         "title": "8. A wrapper written from the docs against the built-in one (MirroredStrategy, 2 CPUs, Adam + clip)",
         "tables": [{"header": ["model", "docs' WeightAverage ms/step", "MovingAverage ms/step", "docs / built-in",
-                               "traces docs/built-in"], "rows": rows}],
+                               "A/A control: built-in / built-in", "traces docs/built-in/built-in"], "rows": rows}],
         "notes": ["The same moving average of the weights (decay 0.99) written twice: docs/writing-a-wrapper.md's "
                   "complete example, imported from the page, and dist_minimize.MovingAverage. Both take the "
-                  "guarded update device by device (the update contract, not the class, decides)."],
+                  "guarded update device by device (the update contract, not the class, decides).", FOCUS_NOTE],
         "checks": checks, "plot": {}}
 
 
@@ -400,15 +414,17 @@ def section_guard(ctx):
             t, built = _compare(ctx, {k: (lambda k=k: _steps.make(k, strategy, build, batch)) for k in kinds})
             nvars = len(built["dm_clip"].model.trainable_variables)
             r = {k: t.ratio(k, "hand_clip").as_dict() for k in kinds if k != "hand_clip"}
-            rows.append([backend, label, nvars, f"{t.median_ms('hand_clip'):.1f}", fmt(r["dm_clip"]),
-                         fmt(r["dm_clip_lowered"]), fmt(r["dm_clip_noguard"]),
-                         fmt(r["hand_clip_select"]) if one else "-", _conds(built["dm_clip"].graph_stats())])
+            f, _ = _focused(ctx, *(lambda k=k: _steps.make(k, strategy, build, batch) for k in ("dm_clip", "hand_clip")))
+            rows.append([backend, label, nvars, f"{t.median_ms('hand_clip'):.1f}", fmt(f.ratio.as_dict()),
+                         fmt(f.control.as_dict()), fmt(r["dm_clip"]), fmt(r["dm_clip_lowered"]),
+                         fmt(r["dm_clip_noguard"]), fmt(r["hand_clip_select"]) if one else "-",
+                         _conds(built["dm_clip"].graph_stats())])
             checks.append(check(f"9. {backend} {label}: dist_minimize (guarded) / hand-written without guard",
-                                r["dm_clip"], STEP_TARGET))
+                                f.ratio.as_dict(), STEP_TARGET))
     return {
         "title": "9. The guard's mechanism: dist_minimize's guarded step against the hand-written step WITHOUT a guard",
-        "tables": [{"header": ["backend", "model", "variables", "hand ms/step", "dm (If kept whole)",
-                               "dm, guard lowered", "dm without guard", "branch-free select (hand)",
+        "tables": [{"header": ["backend", "model", "variables", "hand ms/step", "dm / hand, alone (the check)",
+                               "A/A control: hand / hand", "dm (If kept whole)", "dm, guard lowered", "dm without guard", "branch-free select (hand)",
                                "dm's conds"], "rows": rows}],
         "notes": ["Each column: time / time of the hand-written step without a guard (tape, one all-reduce, "
                   "tf.clip_by_global_norm, Adam). dm: the default (skip_nonfinite=True), its update one If per "
@@ -416,7 +432,8 @@ def section_guard(ctx):
                   "into a Switch and an Identity per input (the mechanism before, and what TensorFlow does with "
                   "any tf.cond). Branch-free select: the update always made, then every variable it wrote put "
                   "back by tf.where on the finite norm (no branch, no host synchronisation; one copy of the state "
-                  "per step). Horovod: section 2."],
+                  "per step). Horovod: section 2.",
+                  FOCUS_NOTE],
         "checks": checks, "plot": {}}
 
 
@@ -433,11 +450,11 @@ def section_sam(ctx):
     return {
         "title": "10. SAM: dm.SAM against the hand-written distributed SAM step (MirroredStrategy, 2 CPUs, Adam + clip)",
         "tables": [{"header": ["model", "dm.SAM ms/step", "hand-written ms/step", "dm / hand-written",
-                               "traces dm/hand"], "rows": rows}],
+                               "A/A control: hand / hand", "traces dm/hand/hand"], "rows": rows}],
         "notes": ["Both: two forward and backward passes per step; the first gradient all-reduced, the weights "
                   "perturbed along it (rho 0.05) and put back from a copy (a merge_call each), the second "
                   "gradient all-reduced, clipped (global norm), applied by Adam. dm.SAM adds the non-finite "
-                  "guard; the hand-written step has none. Horovod: section 2."],
+                  "guard; the hand-written step has none. Horovod: section 2.", FOCUS_NOTE],
         "checks": checks, "plot": {}}
 
 
@@ -475,22 +492,25 @@ def section_horovod(ctx_quick):
         _run_group(cmd, timeout=300 if ctx_quick else 1800)  # 3 models x 6 kinds, SAM, section 8: ~20 min
         with open(out) as f:
             res = json.load(f)
-    rows, checks, custom = [], [], []
+    rows, checks, custom, alone = [], [], [], []
     for e in res["steps"]:
         rows.append([e["model"], e["variables"], e["local_batch"], f"{e['ms']['dm_clip']:.1f}",
                      f"{e['ms']['hand_clip']:.1f}", fmt(e["ratio"]), fmt(e["ratio_guard"]), fmt(e["ratio_noguard"]),
                      fmt(e["ratio_lowered"]), fmt(e["ratio_select"]), "/".join(str(v) for v in e["traces"].values())])
-        checks.append(check(f"2. horovodrun -np 2 {e['model']}: dist_minimize / hand-written", e["ratio"], STEP_TARGET))
+        alone.append([e["model"], e["variables"], f"{e['alone']['ms']['dm_clip']:.1f}",
+                      f"{e['alone']['ms']['hand_clip']:.1f}", fmt(e["alone"]["ratio"]), fmt(e["alone"]["control"])])
+        checks.append(check(f"2. horovodrun -np 2 {e['model']}: dist_minimize (guarded) / hand-written without "
+                            "guard", e["alone"]["ratio"], STEP_TARGET))
         checks.append(check(f"2. horovodrun -np 2 {e['model']}: dist_minimize / hand-written with the same "
                             "non-finite guard", e["ratio_guard"], STEP_TARGET))
     sam = []
     for e in res.get("sam", []):
         sam.append([e["model"], e["variables"], f"{e['ms']['dm_sam']:.1f}", f"{e['ms']['hand_sam']:.1f}",
-                    fmt(e["ratio"]), "/".join(str(v) for v in e["traces"].values())])
+                    fmt(e["ratio"]), fmt(e["control"]), "/".join(str(v) for v in e["traces"].values())])
         checks.append(check(f"10. horovodrun -np 2 {e['model']}: dm.SAM / hand-written SAM", e["ratio"], SAM_TARGET))
     for e in res["custom"]:
         custom.append([e["model"], e["variables"], f"{e['ms']['docs_avg']:.1f}", f"{e['ms']['builtin_avg']:.1f}",
-                       fmt(e["ratio"]), "/".join(str(v) for v in e["traces"].values())])
+                       fmt(e["ratio"]), fmt(e["control"]), "/".join(str(v) for v in e["traces"].values())])
         checks.append(check(f"8. horovodrun -np 2 {e['model']}: a wrapper from the docs / the built-in one",
                             e["ratio"], CUSTOM_TARGET))
     aggs = res["aggregation"]
@@ -501,10 +521,15 @@ def section_horovod(ctx_quick):
                                "dm / hand-written", "dm / hand-written + guard", "dm without guard / hand-written",
                                "dm, guard lowered / hand-written", "hand + branch-free select / hand-written",
                                "traces dm/hand/hand+guard/dm without guard/dm lowered/hand select"], "rows": rows},
+                   {"header": ["model (the check: compared alone)", "variables", "dm ms/step", "hand ms/step",
+                               "dm (guarded) / hand-written without guard", "A/A control: hand / hand"],
+                    "rows": alone},
                    {"header": ["model (section 8 under horovodrun)", "variables", "docs' WeightAverage ms/step",
-                               "MovingAverage ms/step", "docs / built-in", "traces docs/built-in"], "rows": custom},
+                               "MovingAverage ms/step", "docs / built-in", "A/A control: built-in / built-in",
+                               "traces docs/built-in/built-in"], "rows": custom},
                    {"header": ["model (section 10 under horovodrun)", "variables", "dm.SAM ms/step",
-                               "hand-written SAM ms/step", "dm / hand-written", "traces dm/hand"], "rows": sam}],
+                               "hand-written SAM ms/step", "dm / hand-written", "A/A control: hand / hand",
+                               "traces dm/hand/hand"], "rows": sam}],
         "notes": ["hand-written: tape; hvd.grouped_allreduce(grads, op=hvd.Average); tf.clip_by_global_norm; "
                   "Adam.apply_gradients. + guard: the update in a tf.cond on the finite norm (lowered by "
                   "TensorFlow, as any tf.cond). dm: the default guard, one If that TensorFlow runs whole; dm, "
@@ -512,8 +537,10 @@ def section_horovod(ctx_quick):
                   "select: the update always made, then every variable it wrote put back by tf.where on the "
                   "finite norm. 31 reps: two processes on two cores, each step waiting for the slower rank, "
                   "spread wider than in-process.",
-                  "Second table: section 8's comparison (docs/writing-a-wrapper.md's WeightAverage against "
-                  "MovingAverage, decay 0.99, over Adam + clip) in each Horovod process."],
+                  "Second table: dm's default step against the hand-written step without guard, the two alone "
+                  "(the check). Third: section 8's comparison (docs/writing-a-wrapper.md's WeightAverage against "
+                  "MovingAverage, decay 0.99, over Adam + clip) in each Horovod process. Fourth: section 10's.",
+                  FOCUS_NOTE],
         "checks": checks + [check("4. horovod backend (packed): many-tensor / one-tensor throughput",
                                   aggs[0]["ratio"], AGG_TARGET, True)],
         "horovod_aggregation": aggs}
