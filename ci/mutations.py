@@ -499,6 +499,17 @@ MUTATIONS = [
              "                                      lambda buffer: tf.reshape(buffer, [size, -1])[rank] if True else "
              "self._hvd.reducescatter(\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
+    Mutation("shard-ckpt-own-file-only", "a restore reads one file of a sharded checkpoint (its other "
+             "processes' shares are lost)",
+             "dist_minimize/_sharded_checkpoint.py",
+             "    for file, state in sorted(by_file.items()):\n",
+             "    for file, state in sorted(by_file.items())[:1]:\n",
+             [f"{SHARDED}::test_sharded_checkpoint_resumes_on_any_number_of_processes[2-to-4]"]),
+    Mutation("shard-ckpt-rank0-only", "only rank 0 writes its share of a sharded checkpoint",
+             "dist_minimize/_sharded_checkpoint.py",
+             "    held = collect(paths)",
+             "    held = collect([] if rank else paths)",
+             [f"{SHARDED}::test_sharded_checkpoint_resumes_on_any_number_of_processes[2-to-2]"]),
     Mutation("no-restart", "the launcher ignores max_restarts",
              "dist_minimize/launcher.py",
              "    for attempt in range(max_restarts + 1):\n",

@@ -132,15 +132,21 @@ def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: l
     return tf.unstack(backend.sum_scalar(vector))
 
 
-def state_bytes(optimizer) -> int:
-    """Bytes of the optimizer stack's variables held by this process (every optimizer of
-    the stack: the update rule's slots and counters, the wrappers' state, statistics)."""
-    seen, total = set(), 0
+def held_variables(optimizer) -> list:
+    """Every variable of the optimizer stack this process holds, once each (every
+    optimizer of the stack: the update rule's slots and counters, the wrappers' state,
+    statistics)."""
+    seen, out = set(), []
     for opt in optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]:
         own = list(opt.variables) + list(getattr(opt, "statistics_variables", lambda: [])())
         rule = getattr(opt, "inner_optimizer", None)
         for v in own + (list(rule.variables) if rule is not None else []):
             if id(v) not in seen:
                 seen.add(id(v))
-                total += _shards.elements_of(v) * tf.as_dtype(v.dtype).size
-    return total
+                out.append(v)
+    return out
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of the optimizer stack's variables held by this process (`held_variables`)."""
+    return sum(_shards.elements_of(v) * tf.as_dtype(v.dtype).size for v in held_variables(optimizer))

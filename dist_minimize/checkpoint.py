@@ -16,7 +16,7 @@ How exactness is kept, by construction:
   MultiWorkerMirroredStrategy every worker then writes (TensorFlow's save reads
   replica-local variables with a collective), the chief into the checkpoint directory
   and the others into temporary directories inside it that are removed at once. Under
-  Horovod rank 0 writes alone.
+  Horovod rank 0 writes alone; a sharded state: each its share (`_sharded_checkpoint`).
 * **Atomic writes.** A checkpoint is written into `DIR/.tmp-ckpt-N`, synced, and renamed
   to `DIR/ckpt-N`: a crash during a write leaves the previous checkpoint the newest.
 * **The input is one stream.** `fit` trains on `dataset.repeat()` with `steps_per_epoch`
@@ -56,7 +56,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dist_minimize import distribute
+from dist_minimize import _sharded_checkpoint, distribute
 from dist_minimize._stop_watcher import _StopWatcher
 
 PREFIX = "ckpt-"
@@ -106,11 +106,7 @@ class Checkpointer:
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         if self.optimizer is None:
             raise ValueError("`optimizer` is None and the model has none: compile the model or pass `optimizer`.")
-        if self.directory and getattr(_stack(self.optimizer)[-1], "shard_optimizer_state", False):
-            raise ValueError(
-                "Checkpointer does not save a sharded optimizer state yet (each process holds only its "
-                "share: shard_optimizer_state=True). Train without `directory`, or unsharded. Received: "
-                f"directory={directory!r} with shard_optimizer_state=True")
+        self._sharded = bool(getattr(_stack(self.optimizer)[-1], "shard_optimizer_state", False))
         self.every, self.keep, self.exit_code = every, keep, exit_code
         self.step = 0  # batches trained since the job began
         self.stopping = False
@@ -132,7 +128,18 @@ class Checkpointer:
         if found is None:
             return 0
         step, path = found
-        self._checkpoint().read(os.path.join(path, "state")).assert_existing_objects_matched()
+        with open(os.path.join(path, "meta.json")) as f:
+            sharded = json.load(f).get("sharded")
+        if sharded is not None:  # written sharded: read back on any number of processes
+            self._checkpoint(sharded).read(os.path.join(path, "state")).assert_existing_objects_matched()
+            _sharded_checkpoint.read(path, sharded, self.optimizer, self.model.trainable_variables)
+        elif self._sharded and _task_count() > 1:
+            raise ValueError(
+                f"The checkpoint {path} was written with the optimizer state unsharded; this run shards "
+                "it (shard_optimizer_state=True) over several processes. Resume it unsharded (on any "
+                "number of processes), then save: checkpoints written sharded resume either way.")
+        else:
+            self._checkpoint().read(os.path.join(path, "state")).assert_existing_objects_matched()
         self.step = self._saved = step
         return step
 
@@ -154,6 +161,9 @@ class Checkpointer:
             return None
         self._check_boundary()
         name = f"{PREFIX}{self.step:09d}"
+        if self._sharded:  # every process writes its share
+            self._saved = self.step
+            return _sharded_checkpoint.save(self, name, _task())
         writer = self._is_writer()
         tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
         if not writer and distribute.horovod_size() > 1:
@@ -165,26 +175,35 @@ class Checkpointer:
         try:
             self.write_files(tmp)
             if writer:
-                final = os.path.join(self.directory, name)
-                shutil.rmtree(final, ignore_errors=True)
-                os.rename(tmp, final)
-                _sync(self.directory)
-                self._prune()
+                self._publish(tmp, name)
         finally:
             if not writer:
                 shutil.rmtree(tmp, ignore_errors=True)
         self._saved = self.step
         return os.path.join(self.directory, name) if writer else None
 
-    def write_files(self, path: str) -> None:
-        """Writes the state and `meta.json` into the new directory `path`, synced."""
-        self._checkpoint().write(os.path.join(path, "state"))
+    def write_files(self, path: str, sharded: dict | None = None) -> None:
+        """Writes the state and `meta.json` into the new directory `path`, synced.
+        `sharded`: the manifest of the processes' files, already in `path/shards` (the
+        state then holds the model only)."""
+        self._checkpoint(sharded).write(os.path.join(path, "state"))
+        meta = {"step": self.step, "updates": int(self.optimizer.iterations.numpy()),
+                "micro_steps_per_update": self._micro}
         with open(os.path.join(path, "meta.json"), "w") as f:
-            json.dump({"step": self.step, "updates": int(self.optimizer.iterations.numpy()),
-                       "micro_steps_per_update": self._micro}, f)
-        for name in os.listdir(path):
-            _sync(os.path.join(path, name))
-        _sync(path)
+            json.dump(meta if sharded is None else {**meta, "sharded": sharded}, f)
+        for root, _, files in os.walk(path):
+            for name in files:
+                _sync(os.path.join(root, name))
+            _sync(root)
+
+    def _publish(self, tmp: str, name: str) -> str:
+        """Renames the written `tmp` to `DIR/NAME` (atomic), synced; prunes the oldest."""
+        final = os.path.join(self.directory, name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        _sync(self.directory)
+        self._prune()
+        return final
 
     def exit(self) -> None:
         """Ends this process after a stop, once every worker is here: with `exit_code`
@@ -281,7 +300,12 @@ class Checkpointer:
             with self._strategy.scope():
                 self.optimizer.build(self.model.trainable_variables)
 
-    def _checkpoint(self) -> tf.train.Checkpoint:
+    def _checkpoint(self, sharded: dict | None = None) -> tf.train.Checkpoint:
+        """The model and the optimizer stack; where each process writes its share of the
+        optimizer's state (`sharded`), the model's variables alone (a compiled model also
+        tracks its optimizer, whose share here is this process's)."""
+        if sharded is not None:
+            return tf.train.Checkpoint(model_variables={str(i): v for i, v in enumerate(self.model.variables)})
         return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
 
     def _check_boundary(self) -> None:

@@ -220,6 +220,17 @@ class Optimizer(StagedOptimizer):
     def shard_optimizer_state(self) -> bool:
         return self._sharding is not None
 
+    def save_own_variables(self, store):
+        """Keras's saving (`.keras`): this process's state; sharded, its share only, with a
+        warning (`Checkpointer` writes every process's share; docs/sharding.md)."""
+        if self._sharding is not None and self._sharding.size > 1:
+            _sharding.logger.warning(
+                "Saving a model whose optimizer state is sharded over %d processes: the file holds the "
+                "weights and this process's share of the optimizer state, which Keras does not load "
+                "(the optimizer restarts from a fresh state). dm.Checkpointer saves every process's share "
+                "and resumes on any number of processes.", self._sharding.size)
+        super().save_own_variables(store)
+
     def transform_gradients(self, grads_and_vars):
         """Applies the constructor's `transform_gradients` in order (e.g. the clipper), checking each."""
         return _chain("transform_gradients", self._gradient_fns, grads_and_vars)

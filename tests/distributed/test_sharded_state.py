@@ -10,11 +10,18 @@ processes one holds the 40-element kernel, the other the rest; on 4, one each. T
 clip bound ("some") fires on some of the 4 steps, not all, so a clip computed from a process's own
 share of the gradients (a smaller norm) clips another set of steps and shows."""
 
+import json
+import os
+import shutil
+
 import numpy as np
 import pytest
 
 import jobs
 import parity_lib as P
+import proc
+from conftest import requires_horovod
+from dist_minimize import launcher
 from jobs import arrays, run_param
 
 pytestmark = pytest.mark.distributed
@@ -98,3 +105,91 @@ def test_inf_on_one_process_is_skipped_by_all(run, np_, tmp_path_factory):
         assert sharded["iterations"] == plain["iterations"] == P.STEPS - 1
         assert close(arrays(plain["weights"]), arrays(sharded["weights"]))
         assert np.all(np.isfinite(np.concatenate([np.ravel(w) for w in arrays(sharded["weights"])])))
+
+
+# -- checkpoints: written sharded on N processes, resumed on M ------------------------------
+
+RESUME_WORKER = "tests/workers/sharded_resume_worker.py"
+
+
+def _job(np_, mode, ckpt, out) -> list:
+    """The ranks' results of sharded_resume_worker.py MODE (horovodrun --gloo; "one": one
+    plain process, no Horovod)."""
+    out.mkdir(exist_ok=True)
+    log = out / "log.txt"
+    args = [os.path.join(proc.ROOT, RESUME_WORKER), str(out), mode, str(ckpt)]
+    with open(log, "w") as f:
+        if mode == "one":
+            [(rc, text)] = proc.run_all([proc.python(RESUME_WORKER, *args[1:])], [proc.env()],
+                                        timeout=proc.JOB_TIMEOUT)
+            f.write(text)
+        else:
+            rc = launcher.launch("horovod-gloo", np_, args, timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
+    assert rc == 0, log.read_text()[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(np_)]
+
+
+def _saved(np_, tmp_path_factory):
+    """A checkpoint written at step 4 of 8 on `np_` processes, that run's end, and its
+    output folder."""
+    def start():
+        base = tmp_path_factory.mktemp(f"sharded-save-{np_}")
+        return base / "ckpt", _job(np_, "save", base / "ckpt", base / "out"), base / "out"
+    return jobs._once(("sharded-save", np_), start)
+
+
+def _state(ranks) -> dict:
+    """key -> (value, processes holding it) over every process."""
+    out: dict = {}
+    for i, r in enumerate(ranks):
+        for key, value in r["state"].items():
+            out.setdefault(key, (np.asarray(value), []))[1].append(i)
+    return out
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [
+    pytest.param(2, 2, marks=requires_horovod, id="2-to-2"), pytest.param(2, 4, marks=requires_horovod, id="2-to-4"),
+    pytest.param(4, 2, marks=requires_horovod, id="4-to-2"),
+    pytest.param(2, 1, marks=requires_horovod, id="2-to-1-unsharded")])
+def test_sharded_checkpoint_resumes_on_any_number_of_processes(saved_on, resumed_on, tmp_path, tmp_path_factory):
+    """Each process writes its share; a run restored on M processes (1: one process,
+    unsharded) ends where the uninterrupted run on N does: weights and every state
+    variable within 1e-6, bit for bit on the same N; each slot held by one process."""
+    ckpt, uninterrupted, _ = _saved(saved_on, tmp_path_factory)
+    shutil.copytree(ckpt, tmp_path / "ckpt")
+    resumed = _job(resumed_on, "resume" if resumed_on > 1 else "one", tmp_path / "ckpt", tmp_path / "out")
+    want, got = _state(uninterrupted), _state(resumed)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    assert sum("/" in key for key in want) == 2 * 4  # Adam's two slots of each of the 4 variables
+    for key, (value, holders) in got.items():
+        if "/" in key:  # a variable's slot: in one process's share
+            assert len(holders) == 1, (key, holders)
+        else:  # a counter every process holds
+            assert len(holders) == resumed_on, (key, holders)
+        if saved_on == resumed_on:
+            assert np.array_equal(value, want[key][0]), key
+        assert np.allclose(value, want[key][0], rtol=0, atol=TOL * max(1.0, float(np.max(np.abs(want[key][0]))))), key
+    for r in resumed:
+        assert r["start"] == 4 and r["iterations"] == 8
+        assert r["weights"] == resumed[0]["weights"]
+        if saved_on == resumed_on:
+            assert r["weights"] == uninterrupted[0]["weights"]
+        assert close(arrays(uninterrupted[0]["weights"]), arrays(r["weights"])), \
+            P.max_abs_diff(arrays(uninterrupted[0]["weights"]), arrays(r["weights"]))
+
+
+@pytest.mark.parametrize("run", [run_param("horovod-gloo")])
+def test_keras_file_from_a_sharded_run_loads_unsharded(run, tmp_path_factory):
+    """Rank 0's `model.save` in a sharded run: the file loads in one process, unsharded,
+    with the run's weights; the optimizer state in it is rank 0's share, which Keras does
+    not load, and the save said so."""
+    import keras
+
+    _, uninterrupted, out = _saved(2, tmp_path_factory)
+    model = keras.models.load_model(out / "model.keras")
+    assert [w.tolist() for w in P.weights(model)] == uninterrupted[0]["weights"]
+    bottom = model.optimizer.stack()[-1]
+    assert bottom.shard_optimizer_state  # the setting travels with the file; on one process, all is held
+    assert bottom.shard(model.trainable_variables) == model.trainable_variables
+    assert int(model.optimizer.iterations.numpy()) == 0  # the share was not loaded: a fresh state
+    assert "Saving a model whose optimizer state is sharded over 2 processes" in (out / "log.txt").read_text()

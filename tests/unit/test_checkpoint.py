@@ -255,3 +255,51 @@ def test_fit_needs_a_dataset_of_known_length(tmp_path):
         endless = data().repeat()
         with pytest.raises(ValueError, match="unknown or infinite: pass `steps_per_epoch`"):
             ckpt.fit(endless, epochs=1)
+
+
+def _sharded_pair(shard: bool, seed: int = 0, rule: str = "adam"):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    if seed:
+        model.set_weights([w + seed for w in model.get_weights()])
+    rule = {"adam": lambda: keras.optimizers.Adam(0.01), "amsgrad": lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+            "sgd": lambda: keras.optimizers.SGD(0.01, momentum=0.9)}[rule]()
+    opt = dm.LossScaleOptimizer(dm.Optimizer(rule, transform_gradients=dm.clip_by_global_norm(1.0),
+                                             shard_optimizer_state=shard), initial_scale=8.0)
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def test_a_sharded_checkpoint_resumes_unsharded_in_one_process(tmp_path):
+    """With shard_optimizer_state=True every process writes its share into a file of its
+    own (one process here: all of it), named by what each variable is, not by the names
+    Keras numbered in this process (a second model here is `sequential_1`): restored
+    into an unsharded stack and trained on, it ends where the uninterrupted run ends,
+    bit for bit. Another optimizer stack is refused, naming what the file lacks."""
+    def run(model, directory, batches):
+        ckpt = dm.Checkpointer(directory, model, every=PER_EPOCH // 2)
+        ds = data(reshuffle=False)
+        for x, y in ds.skip(ckpt.restore()).take(batches):
+            model.train_on_batch(x, y)
+            ckpt.step_done()
+        ckpt.close()
+        return ckpt
+
+    full = _sharded_pair(True)
+    run(full, None, PER_EPOCH)
+    half = _sharded_pair(True)
+    run(half, str(tmp_path), PER_EPOCH // 2)
+    found = checkpoint.latest(str(tmp_path))
+    assert found[0] == PER_EPOCH // 2
+    with open(os.path.join(found[1], "meta.json")) as f:
+        manifest = __import__("json").load(f)["sharded"]
+    assert manifest["processes"] == 1 and os.path.exists(os.path.join(found[1], "shards", "process-0.index"))
+    with pytest.raises(ValueError, match=r"written by the optimizer stack \['LossScaleOptimizer', 'Optimizer', "
+                                         r"'Adam'\]; this one is \[.*'SGD'\]"):
+        dm.Checkpointer(str(tmp_path), _sharded_pair(False, rule="sgd")).restore()
+    with pytest.raises(ValueError, match=r"holds no value for \['1:0/velocity_hat', '1:1/velocity_hat', .*another "
+                                         "optimizer stack"):
+        dm.Checkpointer(str(tmp_path), _sharded_pair(False, rule="amsgrad")).restore()
+    resumed = _sharded_pair(False, seed=5)  # other weights: everything must come from the files
+    run(resumed, str(tmp_path), PER_EPOCH)
+    assert_identical(state(full), state(resumed))
