@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 HERE = os.path.join(ROOT, "benchmarks")
 
-SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers", "custom", "guard", "sam")
+SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers", "custom", "guard", "sam",
+            "sharding")
 STEP_TARGET, WRAPPER_TARGET, AGG_TARGET, MEMORY_TARGET = 1.03, 1.05, 0.9, 1.05
 FOCUS_NOTE = ("The check and the A/A control: the two steps compared alone, with a second, independently built "
               "copy of the anchor, in 0.1 s blocks alternating 61 times (benchmarks/_timing.focused); the "
@@ -567,6 +568,69 @@ def section_memory(quick):
         "checks": [check("6. peak RSS dist_minimize / stock Keras", r, MEMORY_TARGET)]}
 
 
+# -- section 11 --------------------------------------------------------------------------
+
+SHARD_TIME_TARGET = 1.05
+
+
+def _sharding_job(np_, mode, quick):
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "shard.json")
+        _run_group([horovodrun, "-np", str(np_), "-H", f"localhost:{np_}", "--gloo", sys.executable,
+                    os.path.join(HERE, "sharding_worker.py"), out, mode] + (["--quick"] if quick else []),
+                   timeout=300 if quick else 900)
+        with open(out) as f:
+            return json.load(f)
+
+
+def section_sharding(quick):
+    """Optimizer state sharded over N Horovod processes against unsharded: state bytes and
+    peak RSS per process at N = 2 and 4, step time and bytes sent per step at N = 2."""
+    rows, checks, plot = [], [], []
+    for np_ in (2, 4):
+        ranks = {mode: _sharding_job(np_, f"memory-{mode}", quick) for mode in ("unsharded", "sharded")}
+        plain, shard = ranks["unsharded"], ranks["sharded"]
+        state_ratio = max(s["state_bytes"] for s in shard) / plain[0]["state_bytes"]
+        saved = [p["state_bytes"] - s["state_bytes"] for p, s in zip(plain, shard)]
+        rss_saved = [1024 * (p["peak_rss_kb"] - s["peak_rss_kb"]) for p, s in zip(plain, shard)]
+        rss_share = min(r / b for r, b in zip(rss_saved, saved))
+        rows.append([np_, f"{plain[0]['weights'] / 1e6:.1f} M", f"{plain[0]['state_bytes'] / 2**20:.1f}",
+                     " / ".join(f"{s['state_bytes'] / 2**20:.1f}" for s in shard), f"{state_ratio:.3f}",
+                     " / ".join(f"{p['peak_rss_kb'] / 1024:.0f}" for p in plain),
+                     " / ".join(f"{s['peak_rss_kb'] / 1024:.0f}" for s in shard), f"{rss_share:.2f}"])
+        one = {"median": state_ratio, "min": state_ratio, "max": state_ratio}
+        checks.append(check(f"11. N={np_}: largest sharded state / unsharded state (target 1/N + 0.02)", one,
+                            1 / np_ + 0.02))
+        checks.append(check(f"11. N={np_}: peak RSS saved / state bytes saved, least over processes",
+                            {"median": rss_share, "min": rss_share, "max": rss_share}, 0.8, True))
+        plot.append((np_, plain[0]["state_bytes"], max(s["state_bytes"] for s in shard),
+                     max(p["peak_rss_kb"] for p in plain) * 1024, max(s["peak_rss_kb"] for s in shard) * 1024))
+    [timed] = _sharding_job(2, "time", quick)
+    sent = timed["sent_per_step"]
+    checks.append(check("11. N=2: sharded / unsharded step time", timed["ratio"], SHARD_TIME_TARGET))
+    return {
+        "title": "11. Sharded optimizer state (horovodrun --gloo, Adam + clip, 12 x Dense(2048): 50.4M weights)",
+        "tables": [{"header": ["N", "weights", "unsharded state MiB per process", "sharded state MiB (each process)",
+                               "largest sharded / unsharded", "peak RSS MiB unsharded (each)",
+                               "peak RSS MiB sharded (each)", "RSS saved / state saved (least)"], "rows": rows},
+                   {"header": ["N", "unsharded ms/step", "sharded ms/step", "sharded / unsharded",
+                               "A/A control", "MB sent per process per step: unsharded / sharded",
+                               "gradient MB"],
+                    "rows": [[2, f"{timed['ms']['unsharded']:.0f}", f"{timed['ms']['sharded']:.0f}",
+                              fmt(timed["ratio"]), fmt(timed["control"]),
+                              f"{sent['unsharded'] / 1e6:.1f} / {sent['sharded'] / 1e6:.1f}",
+                              f"{timed['gradient_bytes'] / 1e6:.1f}"]]}],
+        "notes": ["Each memory row: two jobs (unsharded, sharded) of N processes, 5 steps each; state: "
+                  "dm.optimizer_state_bytes (Adam's slots and counters, the clipper's statistics); peak RSS: "
+                  "VmHWM of each process. The partition is by whole variables (the largest first, to the least "
+                  "loaded process), so a share exceeds 1/N by at most the largest variable (4M weights here).",
+                  "Step time: both optimizers in one job, alternating (21 turns of one step) beside an A/A "
+                  "control. Bytes sent: the loopback interface's counter over 5 steps, divided by N (every "
+                  "process of the job talks over it): an all-reduce against a reduce-scatter and an all-gather."],
+        "checks": checks, "plot": {"sharding": plot}}
+
+
 # -- report --------------------------------------------------------------------------------
 
 def markdown_table(header, rows):
@@ -606,7 +670,8 @@ def write_plot(path, results):
     step = next((r["plot"]["step"] for r in results if "step" in r.get("plot", {})), [])
     growth = next((r["plot"]["growth"] for r in results if "growth" in r.get("plot", {})), [])
     wrappers = next((r["plot"]["wrappers"] for r in results if "wrappers" in r.get("plot", {})), [])
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    sharding = next((r["plot"]["sharding"] for r in results if "sharding" in r.get("plot", {})), [])
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     ax = axes[0]
     for i, anchor in enumerate(("hand_clip", "hand_clip_guard", "keras_clip", "keras")):
         xs = [j + 0.2 * (i - 1.5) for j in range(len(step))]
@@ -638,6 +703,16 @@ def write_plot(path, results):
     ax.axhline(WRAPPER_TARGET, color="k", ls="--", lw=0.8)
     ax.set_ylim(0.7, 1.3)
     ax.set_title("7. wrapper / hand-written, step-time ratio")
+    ax = axes[3]
+    if sharding:
+        ns = [row[0] for row in sharding]
+        for i, label in enumerate(("state, unsharded", "state, sharded", "peak RSS, unsharded", "peak RSS, sharded")):
+            ax.plot(ns, [row[1 + i] / 2**20 for row in sharding], "o-" if "unsharded" in label else "s--", label=label)
+        ax.set_xticks(ns)
+        ax.legend(fontsize=7)
+    ax.set_xlabel("processes N")
+    ax.set_ylabel("MiB per process (the largest)")
+    ax.set_title("11. sharded optimizer state: memory per process")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
@@ -698,6 +773,8 @@ def main(argv=None) -> int:
                 res["tables"].append({"header": AGG_HEADER, "rows": rows})
         elif name == "memory":
             res = section_memory(args.quick)
+        elif name == "sharding":
+            res = section_sharding(args.quick)
         else:
             res = globals()[f"section_{name}"](ctx)
         if name == "aggregation":  # a horovod run before it put its row in its own table: move it here

@@ -499,6 +499,18 @@ MUTATIONS = [
              "                                      lambda buffer: tf.reshape(buffer, [size, -1])[rank] if True else "
              "self._hvd.reducescatter(\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
+    Mutation("shard-averages-not-gathered", "assign_average_vars writes this process's averages only (the "
+             "others' variables keep their weights)",
+             "dist_minimize/wrappers/averaging.py",
+             "        _sharding.gather_shares(self)  # sharded: every process's averages, everywhere\n",
+             "",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some/average]"]),
+    Mutation("shard-dp-noise-by-share-position", "DP noise seeded by a pair's place in the process's share, not "
+             "in the whole step",
+             "dist_minimize/wrappers/privacy.py",
+             "        for i, (g, v) in zip(_shards.positions(len(grads_and_vars)), grads_and_vars):\n",
+             "        for i, (g, v) in enumerate(grads_and_vars):\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-sgd/fit_integrated/some/dp_noise]"]),
     Mutation("shard-ckpt-own-file-only", "a restore reads one file of a sharded checkpoint (its other "
              "processes' shares are lost)",
              "dist_minimize/_sharded_checkpoint.py",

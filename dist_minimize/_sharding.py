@@ -76,6 +76,7 @@ class Sharding:
             self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
             partition = _shards.Partition.balanced([_shards.elements_of(v) for v in var_list], self.size, self.rank)
             self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
+            self._variables = list(var_list)
             loads = partition.loads()
             if self.size == 1:
                 logger.info("shard_optimizer_state=True with one process: nothing to share, the whole state "
@@ -93,6 +94,13 @@ class Sharding:
                 "A sharded optimizer updates only the variables it was built with (its state is "
                 f"partitioned among them). Received: variable {getattr(variable, 'path', variable.name)!r}, "
                 "not among them") from None
+
+    def gather(self) -> None:
+        """Outside a step: every process's share of the trained variables written on every
+        process (an all-gather; every process calls it)."""
+        if self._owners is not None and self.size > 1:
+            variables = self._variables
+            self.backend().all_gather(variables, [True] * len(variables), [self.owner(v) for v in variables])
 
     def active(self) -> bool:
         """Whether this step is sharded: inside a step's update, with several processes."""
@@ -112,6 +120,7 @@ class Sharding:
         updated = [g is not None for g, _ in grads_and_vars]
         step.sum = backend.sum_scalar
         step.owns = lambda v: self.owner(v) == self.rank
+        step.positions = [i for i, owner in enumerate(owners) if owner == self.rank]
         step.everyones = lambda values: _everyones(backend, grads_and_vars, owners, self.rank, values)
         step.gather = lambda: backend.all_gather(variables, updated, owners)
         return out
@@ -130,6 +139,28 @@ def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: l
     zero = tf.zeros([], dtype)
     vector = tf.stack([given[i] if given.get(i) is not None else zero for i in present])
     return tf.unstack(backend.sum_scalar(vector))
+
+
+def of(optimizer) -> Sharding | None:
+    """The `Sharding` of a stack (its bottom's), or None where its state is not sharded."""
+    bottom = optimizer.stack()[-1] if hasattr(optimizer, "stack") else optimizer
+    return getattr(bottom, "_sharding", None)
+
+
+def gather_shares(optimizer) -> None:
+    """For a wrapper that wrote its share of the trained variables outside a step (the
+    averages, by `assign_average_vars`): every process's share on every process; every
+    process calls it. Nothing where the stack's state is not sharded."""
+    sharding = of(optimizer)
+    if sharding is not None:
+        sharding.gather()
+
+
+def held_elsewhere(optimizer, variable) -> bool:
+    """Whether `variable` is trained by the stack, its state held by another process."""
+    sharding = of(optimizer)
+    return (sharding is not None and sharding._owners is not None and id(variable) in sharding._owners
+            and sharding.owner(variable) != sharding.rank)
 
 
 def held_variables(optimizer) -> list:

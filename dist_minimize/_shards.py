@@ -84,6 +84,7 @@ class ShardedStep:
         self.gather: Callable[[], None] | None = None
         self.owns: Callable | None = None  # variable -> whether this process owns it
         self.everyones: Callable | None = None  # see `everyones_values`
+        self.positions: list | None = None  # see `positions`
 
 
 class _Current(threading.local):
@@ -127,6 +128,17 @@ def everyones_values(values: list) -> list | None:
     return sharded.everyones(values)
 
 
+def positions(count: int) -> list:
+    """Where each of the `count` pairs a stage received sits in the whole step: in a
+    sharded step, the places of this process's share among every pair (what a transform
+    that numbers its pairs, such as the privacy noise's seeds, must use to draw what the
+    unsharded step draws); else 0 .. count - 1."""
+    sharded = _CURRENT.step
+    if sharded is None or sharded.positions is None:
+        return list(range(count))
+    return list(sharded.positions)
+
+
 def sum_over_shards(value):
     """`value` added across the processes' shares inside a sharded step; else `value`."""
     sharded = _CURRENT.step
@@ -149,6 +161,6 @@ def share_of(optimizer, var_list: list) -> list:
     if refused:
         raise ValueError(
             f"shard_optimizer_state=True: {', '.join(refused)} does not declare `shards_state = True` "
-            "(its state or hooks need every variable on every process). Wrappers that shard their "
-            "state: LossScaleOptimizer, DecoupledWeightDecay, SAM (docs/sharding.md).")
+            "(its state or hooks may need every variable on every process). Every built-in wrapper "
+            "declares it; a wrapper of your own may, on the terms of docs/sharding.md.")
     return stack[-1].shard(var_list)

@@ -184,15 +184,17 @@ def describe_wrappers(args) -> str:
     return sharded + (("; wrappers " + " > ".join(parts)) if parts else "")
 
 
-def report(args, model, optimizer, evaluate, steps: int, train_size: int) -> None:
-    """The extra lines the wrappers call for: accuracy with the averages, epsilon."""
+def report(args, model, optimizer, evaluate, steps: int, train_size: int, show: bool = True) -> None:
+    """The extra lines the wrappers call for: accuracy with the averages, epsilon. Every
+    process calls it (the averages of a sharded state are gathered); `show` prints."""
     import dist_minimize as dm
 
     if args.moving_average is not None:
         with optimizer.averaged_weights():
             accuracy = evaluate()
-        print(f"[train] test accuracy with the moving average {accuracy:.4f}", flush=True)
-    if private(args):
+        if show:
+            print(f"[train] test accuracy with the moving average {accuracy:.4f}", flush=True)
+    if private(args) and show:
         if args.dp_noise_multiplier == 0:
             print("[train] DP-SGD with noise_multiplier 0: per-example clipping only, no privacy "
                   "guarantee (epsilon = inf)", flush=True)
@@ -354,8 +356,7 @@ def run_fit(args, strategy=None) -> float:
     if verbose:
         print(f"[train] test accuracy {accuracy:.4f}", flush=True)
     steps = int(optimizer.iterations.numpy())
-    if verbose:
-        report(args, model, optimizer, evaluate, steps, len(x_train))
+    report(args, model, optimizer, evaluate, steps, len(x_train), show=bool(verbose))
     return accuracy
 
 

@@ -455,10 +455,25 @@ def train_custom(strategy, make_optimizer, dataset, steps: int, loss_denominator
 # in tests/workers/horovod_worker.py's "sharded" scenario.
 SHARD_CASES = ["sgd/callable/some", "adam/callable/some", "adam/fit/some", "adam/tape/never",
                "adam/callable/some/stack", "adam/callable/some/sam"]
+# On `horovodrun -np 2` only (the cases above run on every job): each wrapper, the whole
+# stack, DP-SGD's noise, and rules that need each tensor whole (a trust ratio per layer,
+# factored moments, Newton-Schulz on a matrix, per-coordinate accumulators).
+SHARD_MORE_CASES = ["adam/callable/some/average", "sgd/callable/some/swa", "adam/fit/some/lookahead",
+                    "adam/callable/some/accumulate", "adam/callable/some/full", "sgd/fit_integrated/some/dp_noise",
+                    "keras.Lamb/callable/some", "keras.Adafactor/callable/some", "keras.Muon/callable/some",
+                    "keras.Ftrl/callable/some"]
 SHARD_WRAPS = {
     "stack": lambda dm, opt: dm.LossScaleOptimizer(dm.DecoupledWeightDecay(opt, weight_decay=0.1),
                                                    initial_scale=64.0, growth_interval=2),
     "sam": lambda dm, opt: dm.SAM(opt, rho=0.05),
+    # averages and slow weights: per-variable state of the share, gathered by assign_average_vars
+    "average": lambda dm, opt: dm.MovingAverage(opt, average_decay=0.5),
+    "swa": lambda dm, opt: dm.SWA(opt, start_averaging=1, average_period=1),
+    "lookahead": lambda dm, opt: dm.Lookahead(opt, sync_period=2, slow_step_size=0.5),
+    "accumulate": lambda dm, opt: dm.GradientAccumulation(opt, steps=2),
+    "full": lambda dm, opt: dm.LossScaleOptimizer(dm.MovingAverage(dm.Lookahead(dm.GradientAccumulation(
+        dm.DecoupledWeightDecay(opt, weight_decay=0.1), steps=2), sync_period=2), average_decay=0.5),
+        initial_scale=64.0, growth_interval=2),
 }
 
 

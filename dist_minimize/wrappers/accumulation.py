@@ -66,6 +66,11 @@ class GradientAccumulation(OptimizerWrapper):
         self._micro_step = None
 
     once_per_stack = True
+    # Sharded (docs/sharding.md): the update rule's state is each process's share, the
+    # accumulators are not: they sum this process's unaggregated gradients of EVERY
+    # variable, and their mean is reduce-scattered once per window. Sharding them too
+    # (ZeRO stage 2) would reduce-scatter at every micro-step: `steps` times the traffic.
+    shards_state = True
 
     @property
     def micro_steps_per_update(self) -> int:
@@ -77,10 +82,11 @@ class GradientAccumulation(OptimizerWrapper):
         return {"gradient_accumulation_steps": self.steps}
 
     def build_state(self, var_list):
-        """Creates the micro-step counter and one replica-local accumulator per variable."""
+        """Creates the micro-step counter and one replica-local accumulator per trained
+        variable (all of them, also where `var_list` is this process's share)."""
         self._micro_step = self.add_variable(shape=(), dtype="int64", initializer="zeros",
                                              aggregation="only_first_replica", name="micro_step")
-        for v in var_list:
+        for v in self.trained_variables:
             self.add_slot(v, "accumulated", replica_local=True)
         self._seen = _Seen()
 

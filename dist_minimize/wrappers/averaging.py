@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import tensorflow as tf
 
+from dist_minimize import _sharding
 from dist_minimize._stages import variable_name
 from dist_minimize.wrapper import OptimizerWrapper, swap_values
 
@@ -23,6 +25,9 @@ class AveragingWrapper(OptimizerWrapper):
     """
 
     once_per_stack = True
+    # Sharded (docs/sharding.md): each process averages its share; `averaged_weights` and
+    # `assign_average_vars` then gather every process's averages (collectives).
+    shards_state = True
 
     def build_state(self, var_list):
         """Creates one `average` slot per variable, starting at its value."""
@@ -37,10 +42,13 @@ class AveragingWrapper(OptimizerWrapper):
         """A context manager: the averages in the trained variables, the weights back after.
 
         `with opt.averaged_weights(): model.evaluate(...)` (or `model.save(...)`).
-        Outside the training step (in the cross-replica context under a strategy).
+        Outside the training step (in the cross-replica context under a strategy). With
+        the state sharded, every process's averages are gathered in, and the weights
+        after: every process enters and leaves the block.
         """
         self._check_built("averaged_weights")
-        return swap_values(self.trained_variables, self.slots("average"))
+        mine = [v for v in self.trained_variables if not _sharding.held_elsewhere(self, v)]
+        return _gathered(swap_values(mine, [self.average_of(v) for v in mine]), self)
 
     def assign_average_vars(self, var_list=None):
         """Writes the averages into `var_list` (default: every trained variable), for good.
@@ -68,9 +76,11 @@ class AveragingWrapper(OptimizerWrapper):
             try:
                 average = self.slot("average", v)
             except KeyError:
-                skipped.append(v)
+                if not _sharding.held_elsewhere(self, v):  # sharded: another process averages it
+                    skipped.append(v)
                 continue
             v.assign(tf.convert_to_tensor(average))
+        _sharding.gather_shares(self)  # sharded: every process's averages, everywhere
         if skipped:
             logger.warning("%s.assign_average_vars: skipped %d variable(s) it does not average (left as they "
                            "are): %s", type(self).__name__, len(skipped),
@@ -81,3 +91,14 @@ class AveragingWrapper(OptimizerWrapper):
         if not self.built:
             raise ValueError(f"`{what}` needs the optimizer built (it has no averages yet): train a step, or "
                              "call `optimizer.build(model.trainable_variables)`.")
+
+
+@contextlib.contextmanager
+def _gathered(swap, optimizer):
+    """`swap` with every process's share gathered after it begins and after it ends."""
+    try:
+        with swap:
+            _sharding.gather_shares(optimizer)
+            yield
+    finally:
+        _sharding.gather_shares(optimizer)

@@ -36,6 +36,7 @@ class Lookahead(OptimizerWrapper):
     # (`StagedOptimizer._per_device_ok`).
 
     once_per_stack = True
+    shards_state = True  # per-variable work on the pairs it is given, in the step (docs/sharding.md)
 
     def __init__(self, optimizer: StagedOptimizer, sync_period: int = 6, slow_step_size: float = 0.5,
                  name: str | None = None):

@@ -8,7 +8,7 @@ import os
 import keras
 import tensorflow as tf
 
-from dist_minimize import distribute
+from dist_minimize import _shards, distribute
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative, check_positive_finite, check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
@@ -91,6 +91,10 @@ class DifferentialPrivacy(OptimizerWrapper):
     """
 
     once_per_stack = True
+    # Sharded (docs/sharding.md): the noise of each variable is seeded by its place in the
+    # whole step (`_shards.positions`), so a process draws for its share what the
+    # unsharded step draws.
+    shards_state = True
     refuses_outside = {name: (
         "{outer} must sit inside DifferentialPrivacy, not around it: DifferentialPrivacy adds "
         "its noise once per update and measures its clipping norm on unscaled gradients only "
@@ -249,7 +253,8 @@ class DifferentialPrivacy(OptimizerWrapper):
             std = std * scale  # added before the loss scale's unscaling
         seed = tf.stack([tf.convert_to_tensor(self._noise_seed), tf.convert_to_tensor(self._noise_draws)])
         out = []
-        for i, (g, v) in enumerate(grads_and_vars):
+        # Each pair's place in the whole step (sharded: among every process's pairs).
+        for i, (g, v) in zip(_shards.positions(len(grads_and_vars)), grads_and_vars):
             if g is None:
                 out.append((g, v))
                 continue

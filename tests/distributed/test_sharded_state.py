@@ -1,9 +1,12 @@
 """Optimizer state sharded across Horovod processes (`shard_optimizer_state=True`),
 against the same run unsharded in the same processes (same init, same data): the weights
 and every slot of the update rule (gathered from the processes that hold them) within
-1e-6, the clip firing on the same steps, an inf on one process skipped by all, each
-slot held by exactly one process, and a process's state at most its share plus the
-largest variable's. Jobs: `horovodrun -np 2` and `-np 4` (Gloo), `mpirun -np 2`.
+1e-6, the averages of MovingAverage and SWA (gathered by `assign_average_vars`) too, the
+clip firing on the same steps, an inf on one process skipped by all, each slot held by
+exactly one process, and a process's state at most its share plus the largest
+variable's; every built-in wrapper, alone and stacked (loss scaling, moving average,
+Lookahead, accumulation, weight decay), and DP-SGD's noise. Jobs: `horovodrun -np 2` and
+`-np 4` (Gloo), `mpirun -np 2`. Checkpoints: written on N processes, resumed on M.
 
 The model (parity_lib.make_model) has 4 variables of 40, 8, 8 and 1 elements: on 2
 processes one holds the 40-element kernel, the other the rest; on 4, one each. The
@@ -40,11 +43,16 @@ def close(a, b) -> bool:
 
 
 def ranks_of(run, np_, tmp_path_factory):
-    return jobs.horovod(run, np_, "sharded", tmp_path_factory)
+    """The job's results: on `horovodrun -np 2` with the cases of SHARD_MORE_CASES too."""
+    more = (run, np_) == ("horovod-gloo", 2)
+    return jobs.horovod(run, np_, "sharded_more" if more else "sharded", tmp_path_factory)
 
 
-@pytest.mark.parametrize("case", P.SHARD_CASES)
-@pytest.mark.parametrize("run,np_", JOBS)
+CASES = [run_param(run, np_, case) for run, np_ in (("horovod-gloo", 2), ("horovod-gloo", 4), ("horovod-mpi", 2))
+         for case in P.SHARD_CASES] + [run_param("horovod-gloo", 2, case) for case in P.SHARD_MORE_CASES]
+
+
+@pytest.mark.parametrize("run,np_,case", CASES)
 def test_sharded_matches_unsharded(run, np_, case, tmp_path_factory):
     ranks = ranks_of(run, np_, tmp_path_factory)
     clip = case.split("/")[2]
@@ -54,10 +62,15 @@ def test_sharded_matches_unsharded(run, np_, case, tmp_path_factory):
             P.max_abs_diff(arrays(plain["weights"]), arrays(sharded["weights"]))
         if np_ == 2:  # both sums of two processes' values: the sharded run is the unsharded one, bit for bit
             assert sharded["weights"] == plain["weights"]
+        if case.endswith(("average", "swa", "full")):  # the averages, gathered from every process
+            assert plain["averaged"] is not None and plain["averaged"] != plain["weights"]
+            assert close(arrays(plain["averaged"]), arrays(sharded["averaged"])), \
+                P.max_abs_diff(arrays(plain["averaged"]), arrays(sharded["averaged"]))
         assert sharded["clipped_steps"] == plain["clipped_steps"]
-        if clip == "some":  # fires on some steps, not on all: a wrong norm changes which
+        if clip == "some" and not case.endswith(("accumulate", "full", "dp_noise")):  # fires on some steps, not all
             assert 0 < plain["clipped_steps"] < P.STEPS, plain["clipped_steps"]
-        assert sharded["iterations"] == plain["iterations"] == P.STEPS
+        updates = P.STEPS // 2 if case.endswith(("accumulate", "full")) else P.STEPS  # accumulation: 2 per update
+        assert sharded["iterations"] == plain["iterations"] == updates
     # The all-gather puts every process's update everywhere: the same weights on all.
     for r in ranks[1:]:
         assert r[case]["sharded"]["weights"] == ranks[0][case]["sharded"]["weights"]

@@ -92,18 +92,21 @@ def test_refused_under_mirrored_strategy_naming_it():
             opt.build(m.trainable_variables)
 
 
+class UsersWrapper(dm.OptimizerWrapper):
+    """A wrapper of one's own, which has not said it works on a share."""
+
+
 def test_refused_with_a_wrapper_that_does_not_declare_shards_state():
     m = model()
-    opt = dm.MovingAverage(dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True))
-    with pytest.raises(ValueError, match="MovingAverage does not declare `shards_state = True`"):
+    opt = UsersWrapper(dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True))
+    with pytest.raises(ValueError, match="UsersWrapper does not declare `shards_state = True`"):
         opt.build(m.trainable_variables)
 
 
-def test_checkpointer_refuses_a_sharded_state(tmp_path):
-    m = model()
-    m.compile(loss="mse", optimizer=dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True))
-    with pytest.raises(ValueError, match="does not save a sharded optimizer state"):
-        dm.Checkpointer(str(tmp_path), m)
+def test_every_built_in_wrapper_shards_its_state():
+    wrappers = [dm.LossScaleOptimizer, dm.DecoupledWeightDecay, dm.SAM, dm.GradientAccumulation, dm.MovingAverage,
+                dm.SWA, dm.Lookahead, dm.DifferentialPrivacy]
+    assert all(w.shards_state is True for w in wrappers)
 
 
 def test_the_setting_survives_get_config():

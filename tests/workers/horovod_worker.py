@@ -10,6 +10,7 @@ Usage: horovod_worker.py OUT_DIR SCENARIO
                    communicator (ranks 0, 1) trains with parity while rank 2 stays out
   sharded  (np=2, 4)  each case of parity_lib.SHARD_CASES unsharded and with
                    shard_optimizer_state=True; an inf on one rank skipped by every rank
+  sharded_more  the same, and the cases of parity_lib.SHARD_MORE_CASES
 Each rank writes OUT_DIR/rank{R}.json.
 """
 
@@ -286,18 +287,24 @@ if scenario == "parity":
     results["xla_integrated"] = {"weights": lists(P.weights(model)), "jit_compile": model.jit_compile,
                                  "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
 
-elif scenario == "sharded":
+elif scenario in ("sharded", "sharded_more"):
     hvd = dm.horovod_keras.init()
     rank, size = hvd.rank(), hvd.size()
     local = P.GLOBAL_BATCH // size
-    for case in P.SHARD_CASES:
+    for case in P.SHARD_CASES + (P.SHARD_MORE_CASES if scenario == "sharded_more" else []):
         opt_name, mode, clip, *wrap = case.split("/")
         runs = {}
+        wrapper = P.SHARD_WRAPS.get(wrap[0], wrap[0]) if wrap else None  # or a name P.train knows
         for shard in (False, True):
             w, opt, model = P.train(default, opt_name, mode, clip=clip, dataset=P.local_dataset(rank, size),
-                                    loss_denominator=local, wrap=P.SHARD_WRAPS[wrap[0]] if wrap else None, shard=shard)
+                                    loss_denominator=local, wrap=wrapper, shard=shard)
+            averaged = None
+            averaging = opt.find(dm.MovingAverage) or opt.find(dm.SWA)
+            if averaging is not None:  # every process's averages, gathered into the model
+                averaging.assign_average_vars()
+                averaged = lists(P.weights(model))
             runs["sharded" if shard else "unsharded"] = {
-                "weights": lists(w), "slots": P.slots_by_variable(opt, model),
+                "weights": lists(w), "slots": P.slots_by_variable(opt, model), "averaged": averaged,
                 "state_bytes": dm.optimizer_state_bytes(opt), "clipped_steps": P.clipped_steps(opt),
                 "iterations": int(opt.iterations.numpy())}
         results[case] = runs
