@@ -495,8 +495,8 @@ MUTATIONS = [
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
     Mutation("shard-local-slice", "the reduce-scatter is a local slice of the process's own, unaggregated gradients",
              "dist_minimize/aggregation/horovod.py",
-             "                                      lambda buffer: self._hvd.reducescatter(\n",
-             "                                      lambda buffer: tf.reshape(buffer, [size, -1])[rank] if True else "
+             "                                      lambda buffer, k: self._hvd.reducescatter(\n",
+             "                                      lambda buffer, k: tf.reshape(buffer, [size, -1])[rank] if True else "
              "self._hvd.reducescatter(\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
     Mutation("shard-averages-not-gathered", "assign_average_vars writes this process's averages only (the "

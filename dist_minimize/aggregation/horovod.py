@@ -219,15 +219,15 @@ class HorovodAggregator(Aggregator):
         # Horovod pairs the processes' collectives by name: the ops of a sharded step are
         # named, since each process's graph holds another share's update before them.
         return sharded.reduce_scatter(list(grads_and_vars), owners, size, rank,
-                                      lambda buffer: self._hvd.reducescatter(
-                                          buffer, name=f"dm_shard_reducescatter_{buffer.dtype.name}", **kwargs))
+                                      lambda buffer, k: self._hvd.reducescatter(
+                                          buffer, name=f"dm_shard_reducescatter_{k}", **kwargs))
 
     def all_gather(self, variables, updated, owners) -> None:
         """Every process's updated variables written on every process (`hvd.allgather`)."""
         size, rank = self.processes()
         sharded.all_gather(variables, updated, owners, size, rank,
-                           lambda segment: self._hvd.allgather(
-                               segment, name=f"dm_shard_allgather_{segment.dtype.name}", **self._set_kwargs()))
+                           lambda segment, k: self._hvd.allgather(
+                               segment, name=f"dm_shard_allgather_{k}", **self._set_kwargs()))
 
     def sum_scalar(self, value: tf.Tensor) -> tf.Tensor:
         """`value` summed over the processes (one `hvd.allreduce`)."""

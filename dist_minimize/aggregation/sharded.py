@@ -2,11 +2,11 @@
 once for any backend that provides three primitives: a reduce-scatter of equal-length
 flat buffers, an all-gather of equal-length flat buffers, and a sum of a scalar.
 
-Layout: per dtype, one flat buffer of `size * width` elements whose segment `r` holds
-the gradients (or, for the gather, the values) of the variables process `r` owns, in
-the step's variable order, zero-padded to `width`, the largest process's share. A
-reduce-scatter of that buffer leaves each process exactly its segment, reduced; an
-all-gather of the segments rebuilds the buffer on every process.
+Layout: per bucket of variables of one dtype (`_buckets`: at most about BUCKET_BYTES),
+one flat buffer of `size * width` elements whose segment `r` holds the gradients (or, for
+the gather, the values) of the bucket's variables process `r` owns, zero-padded to
+`width`, the largest segment. A reduce-scatter of that buffer leaves each process exactly
+its segment, reduced; an all-gather of the segments rebuilds the buffer on every process.
 """
 
 from __future__ import annotations
@@ -18,22 +18,52 @@ import tensorflow as tf
 from dist_minimize._shards import elements_of
 
 
-def _segments(owners: Sequence[int], items: Sequence, size: int) -> dict:
-    """{dtype: (segments: [[index, ...] per process], width)} over the indices of
-    `items` (gradients or variables, None skipped) with their owners."""
+# A collective's buffer holds at most about this many bytes (a larger variable, alone):
+# one buffer for every gradient would be a copy of them all at once, on top of the
+# collective's own, and measured a peak RSS higher than the unsharded step's.
+BUCKET_BYTES = 32 * 2 ** 20
+
+
+def _buckets(owners: Sequence[int], items: Sequence, size: int, bucket_bytes: int | None = None) -> list:
+    """[(dtype, segments: [[index, ...] per process], width)] over the indices of `items`
+    (gradients or variables, None skipped) with their owners: one collective each.
+
+    Per dtype, each process's variables are taken largest first, and a bucket takes from
+    every process's list at once, each up to the same length: `bucket_bytes` over the
+    processes, or the bucket's largest variable where one alone is longer. So the
+    segments of a bucket come out nearly equal (little zero padding travels), a
+    buffer passes the bound only by a variable that alone does, and the same layout is
+    computed on every process (it depends on shapes and owners only).
+    """
+    bucket_bytes = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     by_dtype: dict = {}
-    for i, (owner, item) in enumerate(zip(owners, items)):
-        if item is None:
-            continue
-        segs = by_dtype.setdefault(tf.as_dtype(item.dtype).base_dtype, [[] for _ in range(size)])
-        segs[owner].append(i)
-    return {d: (segs, max(sum(elements_of(items[i]) for i in seg) for seg in segs)) for d, segs in by_dtype.items()}
+    for i, item in enumerate(items):
+        if item is not None:
+            by_dtype.setdefault(tf.as_dtype(item.dtype).base_dtype, []).append(i)
+    out = []
+    for dtype, indices in by_dtype.items():
+        queues = [[i for i in sorted(indices, key=lambda i: (-elements_of(items[i]), i)) if owners[i] == r]
+                  for r in range(size)]
+        limit = max(1, bucket_bytes // (dtype.size * size))  # elements per segment
+        while any(queues):
+            length = max([limit] + [elements_of(items[q[0]]) for q in queues if q])
+            segs, loads = [[] for _ in range(size)], [0] * size
+            for r, queue in enumerate(queues):
+                while queue and loads[r] + elements_of(items[queue[0]]) <= length:
+                    loads[r] += elements_of(items[queue[0]])
+                    segs[r].append(queue.pop(0))
+            out.append((dtype, segs, max(loads)))
+    return out
+
+
+def _padded(parts: list, width: int, dtype) -> list:
+    """`parts` (flat tensors) and the zeros that bring them to `width` elements."""
+    used = sum(int(p.shape[0]) for p in parts)
+    return parts + [tf.zeros([width - used], dtype)] if used < width else parts
 
 
 def _flat(parts: list, width: int, dtype) -> tf.Tensor:
-    used = sum(int(p.shape[0]) for p in parts)
-    if used < width:
-        parts = parts + [tf.zeros([width - used], dtype)]
+    parts = _padded(parts, width, dtype)
     return tf.concat(parts, 0) if len(parts) > 1 else parts[0]
 
 
@@ -42,22 +72,19 @@ def _dense(g):
 
 
 def reduce_scatter(grads_and_vars: list, owners: Sequence[int], size: int, rank: int,
-                   collective: Callable[[tf.Tensor], tf.Tensor]) -> list:
+                   collective: Callable[[tf.Tensor, int], tf.Tensor]) -> list:
     """This process's (gradient, variable) pairs, the gradients reduced across processes.
 
-    `collective(buffer)` reduce-scatters one flat buffer of `size * width` elements and
-    returns this process's `width` elements. None gradients stay None.
+    `collective(buffer, k)` reduce-scatters bucket k's flat buffer of `size * width`
+    elements and returns this process's `width` elements. None gradients stay None.
     """
     grads = [g for g, _ in grads_and_vars]
     out = {i: None for i, owner in enumerate(owners) if owner == rank}
-    for dtype, (segs, width) in _segments(owners, grads, size).items():
-        if width == 0:
-            continue
-        parts = []
+    for k, (dtype, segs, width) in enumerate(_buckets(owners, grads, size)):
+        parts = []  # concatenated once: the buffer is the only copy of these gradients made
         for seg in segs:
-            flat = [tf.reshape(_dense(grads[i]), [-1]) for i in seg]
-            parts.append(_flat(flat, width, dtype))
-        mine = collective(tf.concat(parts, 0))
+            parts += _padded([tf.reshape(_dense(grads[i]), [-1]) for i in seg], width, dtype)
+        mine = collective(tf.concat(parts, 0), k)
         offset = 0
         for i in segs[rank]:
             n = elements_of(grads[i])
@@ -67,18 +94,16 @@ def reduce_scatter(grads_and_vars: list, owners: Sequence[int], size: int, rank:
 
 
 def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[int], size: int, rank: int,
-               collective: Callable[[tf.Tensor], tf.Tensor]) -> None:
+               collective: Callable[[tf.Tensor, int], tf.Tensor]) -> None:
     """Writes into every variable that `updated` marks the value its owner holds.
 
-    `collective(segment)` all-gathers one `width`-element segment per process and
-    returns the `size * width` elements, process by process.
+    `collective(segment, k)` all-gathers bucket k's `width`-element segment of each
+    process and returns the `size * width` elements, process by process.
     """
     items = [v if u else None for v, u in zip(variables, updated)]
-    for dtype, (segs, width) in _segments(owners, items, size).items():
-        if width == 0:
-            continue
+    for k, (dtype, segs, width) in enumerate(_buckets(owners, items, size)):
         own = [tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in segs[rank]]
-        gathered = collective(_flat(own, width, dtype))
+        gathered = collective(_flat(own, width, dtype), k)
         for r, seg in enumerate(segs):
             if r == rank:
                 continue
@@ -90,5 +115,5 @@ def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[in
 
 
 def planned(grads: Sequence, owners: Sequence[int], size: int) -> int:
-    """The reduce-scatters of a step: one per dtype with gradients."""
-    return sum(1 for _, (_, width) in _segments(owners, list(grads), size).items() if width)
+    """The reduce-scatters of a step: one per bucket (`_buckets`)."""
+    return len(_buckets(owners, list(grads), size))

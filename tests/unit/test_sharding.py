@@ -113,3 +113,31 @@ def test_the_setting_survives_get_config():
     opt = dm.Optimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
     again = dm.Optimizer.from_config(opt.get_config())
     assert again.shard_optimizer_state and not dm.Optimizer(keras.optimizers.Adam(0.01)).shard_optimizer_state
+
+
+def test_buckets_bound_each_collective_and_hold_each_variable_once():
+    """The sharded step's collectives go bucket by bucket: every variable in exactly one
+    bucket, in its owner's segment; a bucket's buffer (processes x the largest segment)
+    within the bound unless one variable alone exceeds it; dtypes apart; None skipped."""
+    from dist_minimize._shards import Partition
+    from dist_minimize.aggregation import sharded
+
+    sizes = [4096, 4096, 4096, 4096, 100, 10, 50000, 7]
+    items = [tf.zeros([n]) for n in sizes[:-1]] + [tf.zeros([sizes[-1]], tf.float16), None]
+    owners = Partition.balanced(sizes + [1], 2, 0).owner
+    bound = 4 * 2 * 4096  # bytes: two segments of 4096 float32
+    buckets = sharded._buckets(owners, items, 2, bucket_bytes=bound)
+    assert sorted(i for _, segs, _ in buckets for seg in segs for i in seg) == list(range(8))
+    for dtype, segs, width in buckets:
+        assert width == max(sum(sizes[i] for i in seg) for seg in segs)
+        assert all(owners[i] == r and items[i].dtype == dtype for r, seg in enumerate(segs) for i in seg)
+        largest = max(sizes[i] for seg in segs for i in seg)
+        assert 2 * width * dtype.size <= bound or width == largest, (segs, width)
+    # process 0 owns the 50000 alone, process 1 the rest: one float32 bucket as long as
+    # the 50000 (process 1's 16494 beside it), and the float16 one
+    assert [(segs, width) for _, segs, width in buckets] == [([[6], [0, 1, 2, 3, 4, 5]], 50000), ([[], [7]], 7)]
+    assert sharded.planned(items, owners, 2) == len(buckets)
+    # equal variables dealt out in turn: buckets of the bound, one variable per process each
+    equal = [tf.zeros([4096]) for _ in range(8)]
+    split = sharded._buckets(Partition.balanced([4096] * 8, 2, 0).owner, equal, 2, bucket_bytes=bound)
+    assert [width for _, _, width in split] == [4096] * 4 and all(len(seg) == 1 for _, s, _ in split for seg in s)

@@ -288,6 +288,10 @@ if scenario == "parity":
                                  "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
 
 elif scenario in ("sharded", "sharded_more"):
+    # Buckets of at most 128 bytes: the model's variables (40, 8, 8, 1 floats) then travel
+    # in several reduce-scatters and all-gathers per step, as a large model's do.
+    from dist_minimize.aggregation import sharded as sharded_collectives
+    sharded_collectives.BUCKET_BYTES = 128
     hvd = dm.horovod_keras.init()
     rank, size = hvd.rank(), hvd.size()
     local = P.GLOBAL_BATCH // size
