@@ -76,7 +76,9 @@ def latest(directory: str) -> tuple[int, str] | None:
 
 class Checkpointer:
     """Saves and restores a Keras model with its dist_minimize optimizer stack and the
-    input position, for exact resumption after a lost or preempted worker.
+    input position, for exact resumption after a lost or preempted worker. A sharded
+    stack (`shard_optimizer_state=True`) is written one file per process and resumes on
+    any number of processes (docs/sharding.md).
 
     Args:
       directory: where checkpoints go (`DIR/ckpt-N`, N = batches trained); one directory
