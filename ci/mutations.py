@@ -511,6 +511,12 @@ MUTATIONS = [
              "        for i, (g, v) in zip(_shards.positions(len(grads_and_vars)), grads_and_vars):\n",
              "        for i, (g, v) in enumerate(grads_and_vars):\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-sgd/fit_integrated/some/dp_noise]"]),
+    Mutation("shard-accumulators-of-the-share", "GradientAccumulation builds accumulators for the process's "
+             "share only (the gradients of the others' variables, summed before the reduce-scatter, are lost)",
+             "dist_minimize/wrappers/accumulation.py",
+             "        for v in self.trained_variables:\n",
+             "        for v in var_list:\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some/accumulate]"]),
     Mutation("shard-ckpt-own-file-only", "a restore reads one file of a sharded checkpoint (its other "
              "processes' shares are lost)",
              "dist_minimize/_sharded_checkpoint.py",

@@ -30,6 +30,7 @@ import shutil
 import tensorflow as tf
 
 from dist_minimize import _sharding, distribute
+from dist_minimize._slots import _slot_prefix  # how Keras and dist_minimize name a variable's slots
 
 SHARDS = "shards"
 
@@ -47,8 +48,7 @@ def held_by_key(optimizer, trained: list) -> dict:
     Raises:
       ValueError: two variables get the same key (the checkpoint could not tell them apart).
     """
-    stack = optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]
-    owners = [opt.name for opt in stack] + [getattr(stack[-1], "inner_optimizer", stack[-1]).name]
+    owners = [opt.name for opt in _layers(optimizer)]
     prefixes = sorted(((_slot_prefix(v) + "_", i) for i, v in enumerate(trained)), key=lambda p: -len(p[0]))
     out: dict = {}
     for variable in _sharding.held_variables(optimizer):
@@ -64,15 +64,14 @@ def held_by_key(optimizer, trained: list) -> dict:
     return out
 
 
+def _layers(optimizer) -> list:
+    """The optimizers of the stack, outermost first, and its update rule last."""
+    stack = _sharding.stack_of(optimizer)
+    return stack + [getattr(stack[-1], "inner_optimizer", stack[-1])]
+
+
 def _classes(optimizer) -> list:
-    """The classes of the stack, the update rule last."""
-    stack = optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]
-    return [type(opt).__name__ for opt in stack] + [type(getattr(stack[-1], "inner_optimizer", stack[-1])).__name__]
-
-
-def _slot_prefix(variable) -> str:
-    """How Keras and dist_minimize begin the names of a variable's slots."""
-    return variable.path.replace("/", "_").replace(":", "_")
+    return [type(opt).__name__ for opt in _layers(optimizer)]
 
 
 def write_share(directory: str, rank: int, optimizer, trained: list) -> list:
@@ -120,7 +119,6 @@ def read(directory: str, entry: dict, optimizer, trained: list) -> None:
         status = tf.train.Checkpoint(state=state).read(os.path.join(directory, file))
         status.assert_existing_objects_matched()
         status.expect_partial()  # the rest of that file belongs to other processes
-
 
 
 def save(checkpointer, name: str, rank: int) -> str | None:

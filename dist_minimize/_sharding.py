@@ -102,6 +102,10 @@ class Sharding:
             variables = self._variables
             self.backend().all_gather(variables, [True] * len(variables), [self.owner(v) for v in variables])
 
+    def held_elsewhere(self, variable) -> bool:
+        """Whether `variable` is one of the stack's, its state held by another process."""
+        return self._owners is not None and id(variable) in self._owners and self.owner(variable) != self.rank
+
     def active(self) -> bool:
         """Whether this step is sharded: inside a step's update, with several processes."""
         return self._owners is not None and self.size > 1 and _shards.current() is not None
@@ -141,10 +145,14 @@ def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: l
     return tf.unstack(backend.sum_scalar(vector))
 
 
+def stack_of(optimizer) -> list:
+    """The optimizers of a stack, outermost first (a Keras optimizer alone: itself)."""
+    return optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]
+
+
 def of(optimizer) -> Sharding | None:
     """The `Sharding` of a stack (its bottom's), or None where its state is not sharded."""
-    bottom = optimizer.stack()[-1] if hasattr(optimizer, "stack") else optimizer
-    return getattr(bottom, "_sharding", None)
+    return getattr(stack_of(optimizer)[-1], "_sharding", None)
 
 
 def gather_shares(optimizer) -> None:
@@ -159,8 +167,7 @@ def gather_shares(optimizer) -> None:
 def held_elsewhere(optimizer, variable) -> bool:
     """Whether `variable` is trained by the stack, its state held by another process."""
     sharding = of(optimizer)
-    return (sharding is not None and sharding._owners is not None and id(variable) in sharding._owners
-            and sharding.owner(variable) != sharding.rank)
+    return sharding is not None and sharding.held_elsewhere(variable)
 
 
 def held_variables(optimizer) -> list:
@@ -168,7 +175,7 @@ def held_variables(optimizer) -> list:
     optimizer of the stack: the update rule's slots and counters, the wrappers' state,
     statistics)."""
     seen, out = set(), []
-    for opt in optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]:
+    for opt in stack_of(optimizer):
         own = list(opt.variables) + list(getattr(opt, "statistics_variables", lambda: [])())
         rule = getattr(opt, "inner_optimizer", None)
         for v in own + (list(rule.variables) if rule is not None else []):

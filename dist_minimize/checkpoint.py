@@ -56,7 +56,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dist_minimize import _sharded_checkpoint, distribute
+from dist_minimize import _sharded_checkpoint, _sharding, distribute
 from dist_minimize._stop_watcher import _StopWatcher
 
 PREFIX = "ckpt-"
@@ -108,7 +108,7 @@ class Checkpointer:
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         if self.optimizer is None:
             raise ValueError("`optimizer` is None and the model has none: compile the model or pass `optimizer`.")
-        self._sharded = bool(getattr(_stack(self.optimizer)[-1], "shard_optimizer_state", False))
+        self._sharded = _sharding.of(self.optimizer) is not None
         self.every, self.keep, self.exit_code = every, keep, exit_code
         self.step = 0  # batches trained since the job began
         self.stopping = False
@@ -311,7 +311,7 @@ class Checkpointer:
         return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
 
     def _check_boundary(self) -> None:
-        for opt in _stack(self.optimizer):
+        for opt in _sharding.stack_of(self.optimizer):
             counter = getattr(opt, "micro_step", None)
             steps = getattr(opt, "micro_steps_per_update", 1)
             if counter is not None and int(counter.numpy()) % steps:
@@ -356,13 +356,9 @@ class _Callback(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def _stack(optimizer) -> list:
-    return optimizer.stack() if hasattr(optimizer, "stack") else [optimizer]
-
-
 def _micro_steps(optimizer) -> int:
     n = 1
-    for opt in _stack(optimizer):
+    for opt in _sharding.stack_of(optimizer):
         n *= int(getattr(opt, "micro_steps_per_update", 1))
     return n
 
