@@ -6,7 +6,10 @@ Launched by `benchmarks/run.py` as
   memory-sharded, memory-unsharded  one process per rank, one optimizer: Adam + clip,
       sharded or not, on a model of about 50M float32 weights (Adam's state about 400 MB);
       STEPS steps; each rank reports its optimizer-state bytes and its peak RSS (VmHWM)
-  time  both optimizers on one model each, alternating (benchmarks/_timing.focused):
+  memory-sharded-reducescatter  the same, the sharded step taking Horovod's reduce-scatter
+      (HorovodAggregator(shard_collective="reducescatter"); the default on CPUs is an
+      all-reduce and a slice)
+  time, time-reducescatter  both optimizers on one model each, alternating (benchmarks/_timing.focused):
       sharded / unsharded step time, and the bytes each process sent per step, read from
       the loopback interface's counter (every process of the job talks over it: its
       growth divided by N), for each
@@ -47,10 +50,11 @@ def loopback_sent() -> int:
 
 
 class Run:
-    def __init__(self, shard: bool, width: int, depth: int):
+    def __init__(self, shard: bool, width: int, depth: int, collective: str = "auto"):
         keras.utils.set_random_seed(0)
         self.model = keras.Sequential([keras.Input((width,))] + [keras.layers.Dense(width) for _ in range(depth)])
-        self.opt = dm.Optimizer(keras.optimizers.Adam(LR), aggregate_gradients="horovod",
+        self.backend = dm.aggregation.HorovodAggregator(shard_collective=collective)
+        self.opt = dm.Optimizer(keras.optimizers.Adam(LR), aggregate_gradients=self.backend,
                                 transform_gradients=dm.clip_by_global_norm(CLIP), shard_optimizer_state=shard)
         self.opt.build(self.model.trainable_variables)
         rng = np.random.default_rng(hvd.rank())
@@ -79,14 +83,16 @@ def main(argv):
     hvd.init()
     size = hvd.size()
     result = {"np": size, "mode": mode}
+    collective = "reducescatter" if mode.endswith("reducescatter") else "auto"
     if mode.startswith("memory"):
-        run = Run(mode == "memory-sharded", width, depth)
+        run = Run(mode.startswith("memory-sharded"), width, depth, collective)
         run.run(STEPS)
         result.update(weights=int(sum(np.prod(v.shape) for v in run.model.trainable_variables)),
                       state_bytes=dm.optimizer_state_bytes(run.opt), peak_rss_kb=status_kb("VmHWM"))
         per_rank = hvd.allgather_object(result)
     else:
-        sharded, plain, plain_again = Run(True, width, depth), Run(False, width, depth), Run(False, width, depth)
+        sharded = Run(True, width, depth, collective)
+        plain, plain_again = Run(False, width, depth), Run(False, width, depth)
         sent = {}
         for name, r in (("sharded", sharded), ("unsharded", plain)):
             r.run(1)
@@ -95,7 +101,7 @@ def main(argv):
             sent[name] = (loopback_sent() - before) / size / STEPS
         f = _timing.focused(sharded.run, plain.run, plain_again.run, reps=3 if quick else 21, block_seconds=0.0,
                             agree=lambda n: int(hvd.broadcast_object(n, root_rank=0)))
-        result.update(ratio=f.ratio.as_dict(), control=f.control.as_dict(), ms={
+        result.update(collective=sharded.backend.collective_for_shards(), ratio=f.ratio.as_dict(), control=f.control.as_dict(), ms={
             "sharded": f.timings.median_ms("a"), "unsharded": f.timings.median_ms("b")},
             sent_per_step=sent, gradient_bytes=4 * int(sum(np.prod(v.shape) for v in plain.model.trainable_variables)))
         per_rank = [result]

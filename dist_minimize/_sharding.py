@@ -2,7 +2,8 @@
 state of its share of the trained variables only (ZeRO stages 1 and 2).
 
 A step: the gradients of every variable are computed and transformed per process as
-usual; `aggregate_gradients` reduce-scatters them, so each process receives the
+usual; `aggregate_gradients` reduce-scatters them (or all-reduces and slices them:
+the Horovod backend's `shard_collective`), so each process receives the
 aggregated gradients of the variables it owns (`dist_minimize._shards.Partition`) and
 the rest of the step (transforms, guard, update rule, hooks) sees only those; values
 over all gradients (the clipper's global norm, the guard's finiteness) are summed

@@ -7,6 +7,10 @@ one flat buffer of `size * width` elements whose segment `r` holds the gradients
 the gather, the values) of the bucket's variables process `r` owns, zero-padded to
 `width`, the largest segment. A reduce-scatter of that buffer leaves each process exactly
 its segment, reduced; an all-gather of the segments rebuilds the buffer on every process.
+
+The buckets go one after another, at most IN_FLIGHT at a time: without an order
+TensorFlow may build every bucket's buffer (a copy of all the gradients) before the first
+collective runs, and the bounded buckets would bound nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from dist_minimize._shards import elements_of
 # one buffer for every gradient would be a copy of them all at once, on top of the
 # collective's own, and measured a peak RSS higher than the unsharded step's.
 BUCKET_BYTES = 32 * 2 ** 20
+# Bucket k's buffer is built once bucket k - IN_FLIGHT's collective has returned: the next
+# buffer is ready when a collective ends, and at most this many are alive at once.
+IN_FLIGHT = 2
 
 
 def _buckets(owners: Sequence[int], items: Sequence, size: int, bucket_bytes: int | None = None) -> list:
@@ -71,6 +78,11 @@ def _dense(g):
     return tf.convert_to_tensor(g)
 
 
+def _after(done: list, k: int):
+    """The ordering of bucket k: after bucket k - IN_FLIGHT's collective (none before)."""
+    return tf.control_dependencies(done[k - IN_FLIGHT:k - IN_FLIGHT + 1] if k >= IN_FLIGHT else [])
+
+
 def reduce_scatter(grads_and_vars: list, owners: Sequence[int], size: int, rank: int,
                    collective: Callable[[tf.Tensor, int], tf.Tensor]) -> list:
     """This process's (gradient, variable) pairs, the gradients reduced across processes.
@@ -80,11 +92,15 @@ def reduce_scatter(grads_and_vars: list, owners: Sequence[int], size: int, rank:
     """
     grads = [g for g, _ in grads_and_vars]
     out = {i: None for i, owner in enumerate(owners) if owner == rank}
+    done = []
     for k, (dtype, segs, width) in enumerate(_buckets(owners, grads, size)):
-        parts = []  # concatenated once: the buffer is the only copy of these gradients made
-        for seg in segs:
-            parts += _padded([tf.reshape(_dense(grads[i]), [-1]) for i in seg], width, dtype)
-        mine = collective(tf.concat(parts, 0), k)
+        with _after(done, k):
+            parts = []  # concatenated once: the buffer is the only copy of these gradients made
+            for seg in segs:
+                parts += _padded([tf.reshape(_dense(grads[i]), [-1]) for i in seg], width, dtype)
+            buffer = tf.concat(parts, 0)
+        mine = collective(buffer, k)
+        done.append(mine)
         offset = 0
         for i in segs[rank]:
             n = elements_of(grads[i])
@@ -101,17 +117,22 @@ def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[in
     process and returns the `size * width` elements, process by process.
     """
     items = [v if u else None for v, u in zip(variables, updated)]
+    done = []
     for k, (dtype, segs, width) in enumerate(_buckets(owners, items, size)):
-        own = [tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in segs[rank]]
-        gathered = collective(_flat(own, width, dtype), k)
+        with _after(done, k):
+            own = _flat([tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in segs[rank]], width, dtype)
+        gathered = collective(own, k)
+        writes = []
         for r, seg in enumerate(segs):
             if r == rank:
                 continue
             offset = r * width
             for i in seg:
                 n = elements_of(variables[i])
-                variables[i].assign(tf.reshape(gathered[offset:offset + n], variables[i].shape))
+                writes.append(variables[i].assign(tf.reshape(gathered[offset:offset + n], variables[i].shape)))
                 offset += n
+        # The next buffers wait for this bucket's writes: its gathered copy is then freed.
+        done.append(tf.group(writes) if writes and not tf.executing_eagerly() else gathered)
 
 
 def planned(grads: Sequence, owners: Sequence[int], size: int) -> int:

@@ -90,6 +90,16 @@ def test_sharded_matches_unsharded(run, np_, case, tmp_path_factory):
 
 
 @pytest.mark.parametrize("run,np_", JOBS)
+def test_each_job_takes_its_collective(run, np_, tmp_path_factory):
+    """The parities above cover both ways a sharded step receives its share: Gloo -np 2
+    takes the default on CPUs (an all-reduce per bucket, each process keeping its slice),
+    -np 4 and MPI Horovod's reduce-scatter (the worker asks for it)."""
+    ranks = ranks_of(run, np_, tmp_path_factory)
+    expected = "allreduce" if (run, np_) == ("horovod-gloo", 2) else "reducescatter"
+    assert [r["shard_collective"] for r in ranks] == [expected] * np_
+
+
+@pytest.mark.parametrize("run,np_", JOBS)
 def test_each_process_holds_its_share_of_the_state(run, np_, tmp_path_factory):
     """Adam's per-variable state (2 float32 slots: 8 bytes per weight) is split among the
     processes; what every process holds anyway (counters, the clipper's statistics) is

@@ -141,3 +141,61 @@ def test_buckets_bound_each_collective_and_hold_each_variable_once():
     equal = [tf.zeros([4096]) for _ in range(8)]
     split = sharded._buckets(Partition.balanced([4096] * 8, 2, 0).owner, equal, 2, bucket_bytes=bound)
     assert [width for _, _, width in split] == [4096] * 4 and all(len(seg) == 1 for _, s, _ in split for seg in s)
+
+
+def _ancestors(tensor) -> set:
+    """Every op `tensor` waits for: its inputs and control inputs, transitively."""
+    seen, todo = set(), [tensor.op]
+    while todo:
+        op = todo.pop()
+        for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_buckets_go_in_order_so_only_a_few_buffers_live_at_once():
+    """Bucket k's buffer is built after bucket k - IN_FLIGHT's collective has returned
+    (the gather's after its writes): otherwise TensorFlow may build every buffer, a copy
+    of all the gradients, before the first collective runs, and the peak memory a
+    sharded step saves is spent again. The reduced values: each process keeps its segment."""
+    from dist_minimize._shards import Partition
+    from dist_minimize.aggregation import sharded
+
+    sizes = [64] * 12
+    variables = [tf.Variable(tf.fill([n], float(i))) for i, n in enumerate(sizes)]
+    owners = Partition.balanced(sizes, 2, 0).owner
+    seen = {"reduce": [], "gather": []}
+
+    @tf.function
+    def step(grads):
+        def reduce(buffer, k):  # two processes with equal gradients: the sum, process 0's half
+            out = tf.identity(2.0 * buffer[:buffer.shape[0] // 2])
+            seen["reduce"].append((buffer, out))
+            return out
+
+        def gather(segment, k):  # the order only (the values: tests/distributed/test_sharded_state.py)
+            out = tf.identity(tf.concat([segment, segment], 0))
+            seen["gather"].append((segment, out))
+            return out
+        mine = sharded.reduce_scatter(list(zip(grads, variables)), owners, 2, 0, reduce)
+        sharded.all_gather(variables, [True] * len(variables), owners, 2, 0, gather)
+        return [g for g, _ in mine]
+
+    grads = [tf.fill([n], float(i) + 0.5) for i, n in enumerate(sizes)]
+    sharded.BUCKET_BYTES, saved = 2 * 4 * 64, sharded.BUCKET_BYTES  # one variable per process per bucket
+    try:
+        out = step(grads)
+    finally:
+        sharded.BUCKET_BYTES = saved
+    mine = [i for i, o in enumerate(owners) if o == 0]
+    assert [float(o[0]) for o in out] == [2 * (i + 0.5) for i in mine]
+    assert sharded.IN_FLIGHT == 2
+    for kind, calls in seen.items():
+        assert len(calls) == 6, kind
+        for k, (buffer, _) in enumerate(calls):
+            before = _ancestors(buffer)
+            for j, (_, result) in enumerate(calls[:k]):
+                # after bucket k - 2's collective (and so after k - 4's, ...), not k - 1's
+                assert (result.op in before) == ((k - j) % 2 == 0), (kind, k, j)

@@ -295,13 +295,20 @@ elif scenario in ("sharded", "sharded_more"):
     hvd = dm.horovod_keras.init()
     rank, size = hvd.rank(), hvd.size()
     local = P.GLOBAL_BATCH // size
+    # Each collective a sharded step can take, on each controller: the default ("auto":
+    # an all-reduce and a slice on CPUs) on Gloo -np 2, Horovod's reduce-scatter on -np 4
+    # and under MPI.
+    collective = "reducescatter" if size == 4 or "OMPI_COMM_WORLD_RANK" in os.environ else "auto"
+    backend = dm.aggregation.HorovodAggregator(shard_collective=collective)
+    results["shard_collective"] = backend.collective_for_shards()
     for case in P.SHARD_CASES + (P.SHARD_MORE_CASES if scenario == "sharded_more" else []):
         opt_name, mode, clip, *wrap = case.split("/")
         runs = {}
         wrapper = P.SHARD_WRAPS.get(wrap[0], wrap[0]) if wrap else None  # or a name P.train knows
         for shard in (False, True):
             w, opt, model = P.train(default, opt_name, mode, clip=clip, dataset=P.local_dataset(rank, size),
-                                    loss_denominator=local, wrap=wrapper, shard=shard)
+                                    loss_denominator=local, wrap=wrapper, shard=shard,
+                                    aggregate=backend if shard else "auto")
             averaged = None
             averaging = opt.find(dm.MovingAverage) or opt.find(dm.SWA)
             if averaging is not None:  # every process's averages, gathered into the model
