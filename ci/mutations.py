@@ -515,6 +515,23 @@ MUTATIONS = [
              "        return \"reducescatter\" if tf.config.list_logical_devices(\"GPU\") else \"allreduce\"\n",
              "        return \"reducescatter\"\n",
              [f"{SHARDED}::test_each_job_takes_its_collective[horovod-gloo-2]"]),
+    Mutation("shard-mw-slots-mirrored", "under MultiWorkerMirroredStrategy a share's slots are made by the "
+             "strategy (mirrored, their initial values broadcast: the workers' broadcasts do not pair)",
+             "dist_minimize/_sharding.py",
+             "            return _compat.local_variables()\n",
+             "            return contextlib.nullcontext()\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[multiworker-2-adam/callable/some]"]),
+    Mutation("shard-mw-rank-zero", "every MultiWorkerMirroredStrategy worker takes itself for worker 0",
+             "dist_minimize/aggregation/strategy.py",
+             "    return resolver.task_id + (1 if spec.get(\"chief\") else 0)\n",
+             "    return 0\n",
+             [f"{SHARDED}::test_sharded_matches_unsharded[multiworker-2-adam/callable/some]"]),
+    Mutation("shard-ckpt-mw-no-exchange", "MultiWorkerMirroredStrategy workers write a sharded checkpoint without "
+             "exchanging what each holds",
+             "dist_minimize/_sharded_checkpoint.py",
+             "    if sharding is None or sharding.size == 1:\n",
+             "    if True:\n",
+             [f"{SHARDED}::test_sharded_checkpoint_resumes_on_any_number_of_processes[multiworker-2-to-2]"]),
     Mutation("shard-averages-not-gathered", "assign_average_vars writes this process's averages only (the "
              "others' variables keep their weights)",
              "dist_minimize/wrappers/averaging.py",

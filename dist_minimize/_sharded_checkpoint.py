@@ -24,12 +24,14 @@ first file holding its key. A variable found in no file is an error naming it.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import shutil
 
 import tensorflow as tf
 
-from dist_minimize import _sharding, distribute
+from dist_minimize import _compat, _sharding, distribute
 from dist_minimize._slots import _slot_prefix  # how Keras and dist_minimize name a variable's slots
 
 SHARDS = "shards"
@@ -125,8 +127,7 @@ def save(checkpointer, name: str, rank: int) -> str | None:
     """`Checkpointer.save` of a sharded stack: every process writes its share into
     `.tmp-NAME/shards`, then rank 0 the model and the manifest, and renames. Returns the
     checkpoint's path on rank 0."""
-    hvd = distribute.horovod()
-    collect = (lambda x: list(hvd.allgather_object(x))) if distribute.horovod_size() > 1 else (lambda x: [x])
+    collect = _collector(checkpointer.optimizer, name)
     tmp = os.path.join(checkpointer.directory, f".tmp-{name}")
     if rank == 0:
         os.makedirs(checkpointer.directory, exist_ok=True)
@@ -139,3 +140,23 @@ def save(checkpointer, name: str, rank: int) -> str | None:
         return None
     checkpointer.write_files(tmp, manifest(held, checkpointer.optimizer))
     return checkpointer._publish(tmp, name)
+
+
+def _collector(optimizer, name: str):
+    """`collect(x)`: every process's `x` (JSON values), in rank order, on every process;
+    also a barrier. Horovod: `allgather_object`; MultiWorkerMirroredStrategy: through
+    its coordination service (each process posts under its rank, reads every rank's)."""
+    if distribute.horovod_size() > 1:
+        hvd = distribute.horovod()
+        return lambda x: list(hvd.allgather_object(x))
+    sharding = _sharding.of(optimizer)
+    if sharding is None or sharding.size == 1:
+        return lambda x: [x]
+    client, calls = _compat.coordination_client(), itertools.count()
+
+    def collect(x):
+        key = f"dist_minimize/{name}/{next(calls)}"
+        client.set_config_key_value(f"{key}/{sharding.rank}", json.dumps(x))
+        return [json.loads(client.get_config_key_value(f"{key}/{r}")) for r in range(sharding.size)]
+
+    return collect

@@ -14,12 +14,14 @@ by `StagedOptimizer.run_update`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import tensorflow as tf
 
-from dist_minimize import _shards, distribute
+from dist_minimize import _compat, _shards, distribute
 from dist_minimize.aggregation import once
+from dist_minimize.aggregation.strategy import one_replica_per_process
 
 logger = logging.getLogger("dist_minimize")
 
@@ -32,9 +34,10 @@ def check_backends(aggregating: list, given) -> None:
             "share of the aggregated gradients); with nothing aggregated there is no state to share. "
             f"Received: aggregate_gradients={given!r}")
     backend = aggregating[0]
-    if backend.name not in ("auto", "horovod"):
+    if backend.name not in ("auto", "horovod", "strategy"):
         raise ValueError(
-            "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun): "
+            "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun) and on "
+            "MultiWorkerMirroredStrategy's all-reduce: "
             f"the {backend.name!r} backend has no sharded step. Received: aggregate_gradients={given!r}")
     if hasattr(backend, "check_shardable"):
         backend.check_shardable()
@@ -46,35 +49,45 @@ class Sharding:
     def __init__(self, backend):
         self._given = backend
         self._owners: dict | None = None
+        self._strategy = None  # the strategy the partition was made under
         self.size, self.rank = 1, 0
 
     def _chosen(self):
-        """The backend this step uses ("auto" chooses from the context)."""
-        return self._given.select() if hasattr(self._given, "select") else self._given
+        """The backend this step uses ("auto" chooses from the context: the partition's)."""
+        with self._scope():
+            return self._given.select() if hasattr(self._given, "select") else self._given
+
+    def _scope(self):
+        """The partition's strategy's scope, where it is not the current one (a stack's
+        averages are gathered after training, often outside it)."""
+        if self._strategy is None or tf.distribute.get_strategy() is self._strategy:
+            return contextlib.nullcontext()
+        return self._strategy.scope()
 
     def backend(self):
         backend = self._chosen()
         if not hasattr(backend, "reduce_scatter"):
             raise ValueError(
-                "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun); here the "
-                f"aggregation is {backend.name!r}: under MirroredStrategy and MultiWorkerMirroredStrategy "
-                "every variable created in the strategy's scope, optimizer slots included, is mirrored on "
-                "every replica, so there is nothing to shard. Launch with horovodrun or mpirun, or pass "
-                "shard_optimizer_state=False.")
+                "shard_optimizer_state=True runs on the Horovod backend (horovodrun, mpirun) and on "
+                f"MultiWorkerMirroredStrategy; here the aggregation is {backend.name!r}. Launch with horovodrun "
+                "or mpirun, or train under MultiWorkerMirroredStrategy, or pass shard_optimizer_state=False.")
         return backend
 
     def mine(self, var_list: list) -> list:
         """This process's share of `var_list` (partitioned at the first call)."""
         if self._owners is None:
-            if distribute.strategy_replicas() > 1:
+            if distribute.strategy_replicas() > 1 and not one_replica_per_process():
                 raise ValueError(
-                    "shard_optimizer_state=True cannot run under "
-                    f"{type(tf.distribute.get_strategy()).__name__} ({distribute.strategy_replicas()} "
-                    "replicas): the strategy mirrors every variable created in its scope, optimizer slots "
-                    "included, on every replica. Launch with horovodrun or mpirun (the Horovod backend).")
-            backend = self._chosen()
+                    "shard_optimizer_state=True shares the state among processes, one replica each: under "
+                    f"{type(tf.distribute.get_strategy()).__name__} with {distribute.strategy_replicas()} replicas "
+                    f"on {len(tf.distribute.get_strategy().extended.worker_devices)} devices of this process, "
+                    "tf.distribute mirrors every variable made in its scope on each of them, and gives no way "
+                    "to keep one device's state on that device alone. Run one process per device: "
+                    "MultiWorkerMirroredStrategy with one device per worker, or horovodrun/mpirun.")
+            backend = self.backend() if distribute.strategy_replicas() > 1 else self._chosen()
             # One process and no job ("auto" chose no aggregation): the switch does nothing.
             self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
+            self._strategy = tf.distribute.get_strategy()
             partition = _shards.Partition.balanced([_shards.elements_of(v) for v in var_list], self.size, self.rank)
             self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
             self._variables = list(var_list)
@@ -96,12 +109,21 @@ class Sharding:
                 f"partitioned among them). Received: variable {getattr(variable, 'path', variable.name)!r}, "
                 "not among them") from None
 
+    def local_state(self):
+        """The scope in which this process's per-variable state is made: under a strategy
+        its own variables (`_compat.local_variables`: the processes hold different ones),
+        else the usual scope."""
+        if self._owners is not None and self.size > 1 and distribute.strategy_replicas() > 1:
+            return _compat.local_variables()
+        return contextlib.nullcontext()
+
     def gather(self) -> None:
         """Outside a step: every process's share of the trained variables written on every
         process (an all-gather; every process calls it)."""
         if self._owners is not None and self.size > 1:
             variables = self._variables
-            self.backend().all_gather(variables, [True] * len(variables), [self.owner(v) for v in variables])
+            with self._scope():
+                self.backend().all_gather(variables, [True] * len(variables), [self.owner(v) for v in variables])
 
     def held_elsewhere(self, variable) -> bool:
         """Whether `variable` is one of the stack's, its state held by another process."""
@@ -163,6 +185,13 @@ def gather_shares(optimizer) -> None:
     sharding = of(optimizer)
     if sharding is not None:
         sharding.gather()
+
+
+def local_state(optimizer):
+    """The scope in which an optimizer of a stack makes per-variable state for its share
+    (`Sharding.local_state`; the usual scope where the stack's state is not sharded)."""
+    sharding = of(optimizer)
+    return sharding.local_state() if sharding is not None else contextlib.nullcontext()
 
 
 def held_elsewhere(optimizer, variable) -> bool:

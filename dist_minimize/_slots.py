@@ -9,7 +9,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _stages
+from dist_minimize import _compat, _sharding, _stages
 
 
 class SlotStorage:
@@ -62,8 +62,9 @@ class SlotStorage:
                                  f"sum). Received: initializer={initializer!r}")
             slot = _compat.add_replica_local_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}")
         else:
-            slot = _compat.add_replicated_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}",
-                                                   initializer=initializer)
+            with _sharding.local_state(self):  # a sharded stack's: this process's own
+                slot = _compat.add_replicated_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}",
+                                                       initializer=initializer)
         table[key] = slot
         return slot
 

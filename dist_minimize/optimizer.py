@@ -287,7 +287,8 @@ class Optimizer(StagedOptimizer):
         for fn in self.transforms:
             if hasattr(fn, "build"):
                 fn.build(self, var_list)
-        self.inner_optimizer.build(var_list)
+        with _sharding.local_state(self):  # the update rule's slots: this process's own
+            self.inner_optimizer.build(var_list)
         once.neutralise(self.inner_optimizer)  # sub-optimizers a router creates in `build`
 
     @property

@@ -21,8 +21,8 @@ average of the weights (the test accuracy is also reported with the averages),
 noise added once to the global sum; prints epsilon for `--dp-delta` at the end),
 `--weight-decay W` decays every kernel (not the biases) before each update, and
 `--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`), and
-`--shard-optimizer-state` keeps on each Horovod process only its share of the optimizer
-state (docs/sharding.md). Every process prints `[train] optimizer state bytes on this
+`--shard-optimizer-state` keeps on each process (horovodrun, mpirun, multiworker) only its
+share of the optimizer state (docs/sharding.md). Every process prints `[train] optimizer state bytes on this
 process: <n>`.
 
 Fault tolerance (issue 25, docs/fault-tolerance.md): `--checkpoint-dir DIR` resumes from
@@ -66,7 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=int, default=None, metavar="K",
                    help="dm.GradientAccumulation(steps=K): one update per K batches")
     p.add_argument("--shard-optimizer-state", action="store_true",
-                   help="each process keeps the optimizer state of its share of the weights (Horovod launchers)")
+                   help="each process keeps the optimizer state of its share of the weights "
+                        "(horovod-gloo, horovod-mpi, multiworker launchers)")
     p.add_argument("--checkpoint-dir", default=None, help="resume from / save checkpoints into this directory")
     p.add_argument("--checkpoint-every", type=int, default=5, help="batches between checkpoints (default 5)")
     p.add_argument("--fail-at", type=int, default=None, metavar="STEP",

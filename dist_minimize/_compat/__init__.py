@@ -113,6 +113,26 @@ def listen_to_all_reduce(listener) -> None:
     base.all_reduce = all_reduce
 
 
+_LOCAL_VARIABLE_ARGS = ("initial_value", "trainable", "name", "dtype", "shape", "constraint")
+
+
+def local_variables():
+    """A scope in which every variable created is this process's own: a plain resource
+    variable on the default device, not the strategy's (under MultiWorkerMirroredStrategy a
+    variable made in the strategy's scope is mirrored, and its initial value broadcast from
+    the first worker: a collective per variable, which processes holding different
+    variables cannot pair). Made by `ResourceVariable` directly (private), past the
+    strategy's variable creator."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    def create(next_creator, **kwargs):
+        del next_creator
+        return resource_variable_ops.ResourceVariable(
+            **{k: v for k, v in kwargs.items() if k in _LOCAL_VARIABLE_ARGS})
+
+    return tf.variable_creator_scope(create)
+
+
 def inner_strategy(optimizer: keras.optimizers.Optimizer) -> tf.distribute.Strategy | None:
     """The tf.distribute strategy a Keras optimizer captured when it was created."""
     return getattr(optimizer, "_distribution_strategy", None)

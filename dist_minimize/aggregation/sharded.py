@@ -110,11 +110,13 @@ def reduce_scatter(grads_and_vars: list, owners: Sequence[int], size: int, rank:
 
 
 def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[int], size: int, rank: int,
-               collective: Callable[[tf.Tensor, int], tf.Tensor]) -> None:
+               collective: Callable[[tf.Tensor, int], tf.Tensor], write: Callable | None = None) -> None:
     """Writes into every variable that `updated` marks the value its owner holds.
 
     `collective(segment, k)` all-gathers bucket k's `width`-element segment of each
-    process and returns the `size * width` elements, process by process.
+    process and returns the `size * width` elements, process by process. `write(pairs)`
+    writes a bucket's (variable, value) pairs and returns what the next buckets wait
+    for (default: each variable's `assign`).
     """
     items = [v if u else None for v, u in zip(variables, updated)]
     done = []
@@ -122,17 +124,22 @@ def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[in
         with _after(done, k):
             own = _flat([tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in segs[rank]], width, dtype)
         gathered = collective(own, k)
-        writes = []
+        pairs = []
         for r, seg in enumerate(segs):
             if r == rank:
                 continue
             offset = r * width
             for i in seg:
                 n = elements_of(variables[i])
-                writes.append(variables[i].assign(tf.reshape(gathered[offset:offset + n], variables[i].shape)))
+                pairs.append((variables[i], tf.reshape(gathered[offset:offset + n], variables[i].shape)))
                 offset += n
         # The next buffers wait for this bucket's writes: its gathered copy is then freed.
-        done.append(tf.group(writes) if writes and not tf.executing_eagerly() else gathered)
+        written = (write or _assign)(pairs) if pairs else None
+        done.append(written if written is not None and not tf.executing_eagerly() else gathered)
+
+
+def _assign(pairs: list):
+    return tf.group([variable.assign(value) for variable, value in pairs])
 
 
 def planned(grads: Sequence, owners: Sequence[int], size: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from dist_minimize.aggregation import sharded
 from dist_minimize.aggregation.base import Aggregator, GradsAndVars, merge_nones, refuse_unaggregated_job, split_nones
 
 
@@ -91,3 +92,89 @@ class StrategyAggregator(Aggregator):
             for i, r in zip(indices, out):
                 reduced[i] = r
         return merge_nones(grads_and_vars, positions, reduced)
+
+    # -- a sharded step (Optimizer(shard_optimizer_state=True); aggregation/sharded.py) --
+    # MultiWorkerMirroredStrategy with one device per worker: tf.distribute's public
+    # replica context offers an all-reduce and an all-gather, no reduce-scatter, so each
+    # bucket is all-reduced and each process keeps its slice.
+
+    def processes(self) -> tuple[int, int]:
+        """(number of replicas, this process's replica id); (1, 0) with one replica."""
+        strategy = tf.distribute.get_strategy()
+        if strategy.num_replicas_in_sync == 1:
+            return 1, 0
+        if not one_replica_per_process():
+            raise ValueError(
+                f"A sharded step under {type(strategy).__name__} needs one replica per process "
+                "(MultiWorkerMirroredStrategy with one device per worker). Received: "
+                f"{len(strategy.extended.worker_devices)} devices in this process")
+        return strategy.num_replicas_in_sync, worker_rank(strategy)
+
+    def reduce_scatter(self, grads_and_vars: GradsAndVars, owners) -> list:
+        """This process's share of the summed gradients: one all-reduce per bucket, sliced."""
+        size, rank = self.processes()
+        ctx = tf.distribute.get_replica_context()
+
+        def collective(buffer, k):
+            width = buffer.shape[0] // size
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, buffer, options=self.options)[
+                rank * width:(rank + 1) * width]
+
+        return sharded.reduce_scatter(list(grads_and_vars), owners, size, rank, collective)
+
+    def all_gather(self, variables, updated, owners) -> None:
+        """Every process's updated variables written on every process (one all-gather per
+        bucket; the copies written in one cross-replica update per bucket). Outside a
+        step (the cross-replica context) it runs on every replica by `strategy.run`."""
+        if tf.distribute.in_cross_replica_context():
+            tf.distribute.get_strategy().run(self.all_gather, args=(variables, updated, owners))
+            return
+        size, rank = self.processes()
+        ctx = tf.distribute.get_replica_context()
+        sharded.all_gather(variables, updated, owners, size, rank,
+                           lambda segment, k: ctx.all_gather(segment, axis=0, options=self.options),
+                           write=_write_mirrored)
+
+    def sum_scalar(self, value: tf.Tensor) -> tf.Tensor:
+        """`value` summed over the replicas (one all-reduce)."""
+        return tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, value,
+                                                              options=self.options)
+
+    def planned_reduce_scatters(self, grads_and_vars: GradsAndVars, owners) -> int | None:
+        return sharded.planned([g for g, _ in grads_and_vars], owners, self.processes()[0])
+
+
+def _write_mirrored(pairs: list):
+    """Writes each (mirrored variable, value) pair from the replica context: a mirrored
+    variable is written in the cross-replica context (`strategy.extended.update`)."""
+    ctx = tf.distribute.get_replica_context()
+
+    def write(strategy, values):
+        ops = []
+        for (variable, _), value in zip(pairs, values):
+            target = variable.value if isinstance(variable, keras.Variable) else variable
+            ops += strategy.extended.update(target, lambda v, t: v.assign(t), args=(value,), group=False)
+        return tf.group(ops)
+
+    return ctx.merge_call(write, args=([value for _, value in pairs],))
+
+
+def one_replica_per_process() -> bool:
+    """Whether the current strategy runs one replica in each process: MultiWorkerMirroredStrategy
+    with one device per worker."""
+    strategy = tf.distribute.get_strategy()
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and \
+        len(strategy.extended.worker_devices) == 1
+
+
+def worker_rank(strategy) -> int:
+    """This worker's replica id under MultiWorkerMirroredStrategy with one device per
+    worker: its place in the cluster, the chief first (what tf.distribute numbers its
+    replicas by, and the order of an all-gather)."""
+    resolver = strategy.cluster_resolver
+    spec = resolver.cluster_spec().as_dict()
+    if resolver.task_type == "chief":
+        return 0
+    return resolver.task_id + (1 if spec.get("chief") else 0)
+
+

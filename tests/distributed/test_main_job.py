@@ -87,18 +87,19 @@ def test_main_job_with_every_wrapper_flag(tmp_path, launcher_name):
     assert "Traceback" not in text, text[-5000:]
 
 
-@requires_horovod
-def test_main_job_shards_the_optimizer_state_under_horovodrun(tmp_path):
-    """`--shard-optimizer-state`: each of the 2 processes prints its optimizer state
-    bytes, together the unsharded job's (Adam's slots once, the counters on both), each
-    at most half of the slots plus the largest kernel's (64 x 128 weights, 8 bytes each),
-    and the job trains as well."""
+@pytest.mark.parametrize("launcher_name", [pytest.param("horovod-gloo", marks=requires_horovod), "multiworker"])
+def test_main_job_shards_the_optimizer_state(tmp_path, launcher_name):
+    """`--shard-optimizer-state` under horovodrun and MultiWorkerMirroredStrategy: each
+    of the 2 processes prints its optimizer state bytes, together the unsharded job's
+    (Adam's slots once, the counters on both), each at most half of the slots plus the
+    largest kernel's (64 x 128 weights, 8 bytes each), and the job trains as well."""
     printed = {}
     for flags in ([], ["--shard-optimizer-state"]):
         log = tmp_path / f"log{len(flags)}.txt"
         with open(log, "w") as f:
-            rc = launcher.launch("horovod-gloo", 2, [os.path.join(proc.ROOT, "launch", "train.py"), "--epochs", "1",
-                                                     *flags], timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
+            rc = launcher.launch(launcher_name, 2, [os.path.join(proc.ROOT, "launch", "train.py"), "--epochs", "1",
+                                                    *flags], timeout=proc.JOB_TIMEOUT, python=sys.executable,
+                                 out=f, child_output=f)
         text = log.read_text()
         assert rc == 0, text[-5000:]
         printed[bool(flags)] = [int(line.split("optimizer state bytes on this process: ")[1].split()[0])

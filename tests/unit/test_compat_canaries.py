@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import requires_horovod
+from conftest import mirrored_strategy, requires_horovod
 from dist_minimize import _compat
 
 
@@ -507,3 +507,21 @@ def test_an_adam_update_has_a_kernel_for_every_op_on_cpu():
     step(tf.constant(True), tf.constant([0.5, 0.5]))
     assert seen == {"whole": True, "CPU": []}
     assert int(opt.iterations.numpy()) == 1
+
+
+def test_local_variables_are_made_past_the_strategy():
+    """`_compat.local_variables` makes `ResourceVariable` directly (private), past the
+    strategy's variable creator: under a strategy's scope a variable made inside it is a
+    plain variable of this process with its initial value (a sharded stack's state under
+    MultiWorkerMirroredStrategy, which the workers hold differently), one made outside it
+    the strategy's."""
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        mirrored = tf.Variable(1.0)
+        with _compat.local_variables():
+            local = tf.Variable([2.0, 3.0], name="local")
+            keras_local = keras.Variable(np.ones((2, 2), "float32"))
+    assert isinstance(mirrored, tf.distribute.DistributedValues)
+    assert not isinstance(local, tf.distribute.DistributedValues) and local.numpy().tolist() == [2.0, 3.0]
+    assert not isinstance(keras_local.value, tf.distribute.DistributedValues)
+    assert keras_local.numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]

@@ -64,10 +64,19 @@ def test_optimizer_state_bytes_counts_every_variable_of_the_stack():
     assert 8 * weights < dm.optimizer_state_bytes(opt) < 8 * weights + 200
 
 
-@pytest.mark.parametrize("aggregate", ["none", "strategy"])
-def test_refused_without_a_sharding_backend(aggregate):
-    with pytest.raises(ValueError, match=f"shard_optimizer_state=True.*aggregate_gradients='{aggregate}'"):
-        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=aggregate, shard_optimizer_state=True)
+def test_refused_without_a_sharding_backend():
+    with pytest.raises(ValueError, match="shard_optimizer_state=True.*aggregate_gradients='none'"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients="none", shard_optimizer_state=True)
+
+
+def test_the_strategy_backend_shards_and_with_one_replica_does_nothing():
+    """aggregate_gradients='strategy' shards under MultiWorkerMirroredStrategy
+    (tests/distributed/test_sharded_state.py); with one replica it holds the whole state."""
+    m = model()
+    opt = dm.Optimizer(keras.optimizers.Adam(0.1), aggregate_gradients="strategy", shard_optimizer_state=True)
+    opt.build(m.trainable_variables)
+    assert opt.shard(m.trainable_variables) == m.trainable_variables
+    assert len(opt.inner_optimizer.variables) == 2 + 2 * len(m.trainable_variables)
 
 
 def test_refused_as_a_non_bool():
@@ -88,7 +97,8 @@ def test_refused_under_mirrored_strategy_naming_it():
     with strategy.scope():
         m = model()
         opt = dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True)
-        with pytest.raises(ValueError, match="cannot run under MirroredStrategy.*horovodrun"):
+        with pytest.raises(ValueError, match="under MirroredStrategy with 2 replicas.*Run one process per device: "
+                                             "MultiWorkerMirroredStrategy with one device per worker, or horovodrun"):
             opt.build(m.trainable_variables)
 
 

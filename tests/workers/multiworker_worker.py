@@ -2,7 +2,9 @@
 
 Usage: multiworker_worker.py OUT_JSON CASE [CASE ...], with TF_CONFIG set by the caller.
 A CASE is "OPT/MODE[/CLIP]" (e.g. "adam/callable", "sgd-0.01/tape/some"; CLIP is a
-clip mode of parity_lib.CLIPS, default "always"), or "sam/NAME/MODE" (parity_lib.SAM_CASES). Every worker holds its own
+clip mode of parity_lib.CLIPS, default "always"), or "sam/NAME/MODE" (parity_lib.SAM_CASES),
+or "shard/OPT/MODE/CLIP[/WRAP]" and "shard_lso_inf/1" (shard_optimizer_state=True against
+the same run unsharded: tests/distributed/test_sharded_state.py). Every worker holds its own
 shard of each global batch; each trains the same model and writes the final weights.
 Collectives time out (DM_COLLECTIVE_TIMEOUT seconds) so a lost peer fails fast.
 """
@@ -68,6 +70,41 @@ for case in cases:
         dataset = strategy.distribute_datasets_from_function(local_dataset)
         got, opt, _ = P.train(strategy, "adam", rest[0], clip="some", dataset=dataset, wrap=mode)
         results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy())}
+        continue
+    if opt_name == "shard_lso_inf":
+        # An inf planted at step 2 on worker 1 only, the state sharded or not: every worker skips it.
+        for shard in (False, True):
+            dataset = strategy.distribute_datasets_from_function(local_dataset)
+
+            def make(shard=shard):
+                return dm.LossScaleOptimizer(P.build_optimizer(dm, keras, "sgd", clip="some", shard=shard),
+                                             initial_scale=64.0)
+            got, opt = P.train_custom(strategy, make, dataset, P.STEPS, P.GLOBAL_BATCH,
+                                      multiplier=lambda i: float("inf") if (i == 2 and task == 1) else 1.0)
+            results[f"lso_inf/{'sharded' if shard else 'unsharded'}"] = {
+                "weights": [w.tolist() for w in got], "skipped": int(opt.skipped_steps.numpy()),
+                "iterations": int(opt.iterations.numpy())}
+        continue
+    if opt_name == "shard":
+        # "shard/OPT/MODE/CLIP[/WRAP]": the case unsharded and with shard_optimizer_state=True
+        # (tests/distributed/test_sharded_state.py), in the same workers.
+        o, m, c, *wrap = case.split("/")[1:]
+        m = "fit_integrated" if m == "fit" else m  # stock Keras fit cannot run under MWMS (test_parity.py)
+        wrapper = P.SHARD_WRAPS.get(wrap[0], wrap[0]) if wrap else None
+        runs = {}
+        for shard in (False, True):
+            dataset = strategy.distribute_datasets_from_function(local_dataset)
+            got, opt, model = P.train(strategy, o, m, clip=c, dataset=dataset, wrap=wrapper, shard=shard)
+            averaging = opt.find(dm.MovingAverage) or opt.find(dm.SWA)
+            averaged = None
+            if averaging is not None:  # every worker's averages, gathered into the model
+                averaging.assign_average_vars()
+                averaged = [w.tolist() for w in P.weights(model)]
+            runs["sharded" if shard else "unsharded"] = {
+                "weights": [w.tolist() for w in got], "slots": P.slots_by_variable(opt, model),
+                "averaged": averaged, "state_bytes": dm.optimizer_state_bytes(opt),
+                "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
+        results[case[len("shard/"):]] = runs
         continue
     if mode == "fit_anchor":
         # Stock Keras model.fit under MultiWorkerMirroredStrategy: record how it fails.

@@ -9,6 +9,8 @@ Usage: sharded_resume_worker.py OUT_DIR MODE CKPT_DIR
           trained to STEPS
   one     (plain python, one process, no Horovod)  the same stack UNSHARDED, restored
           from CKPT_DIR and trained to STEPS
+  mw-save, mw-resume  save and resume as above, on MultiWorkerMirroredStrategy workers
+          (TF_CONFIG set by the caller) instead of Horovod; no .keras file
 Each process writes OUT_DIR/rank{R}.json: weights, the optimizer state it holds by
 checkpoint key, the step it started from.
 """
@@ -30,23 +32,36 @@ from dist_minimize import _sharded_checkpoint  # noqa: E402
 
 STEPS = 8
 out_dir, mode, ckpt_dir = sys.argv[1:4]
-hvd = dm.horovod_keras.init() if mode != "one" else None
-rank, size = (hvd.rank(), hvd.size()) if hvd is not None else (0, 1)
+multiworker = mode.startswith("mw-")
+mode = mode[len("mw-"):] if multiworker else mode
+hvd = dm.horovod_keras.init() if mode != "one" and not multiworker else None
+if multiworker:
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+        communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=60))
+    rank, size = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync
+else:
+    strategy = tf.distribute.get_strategy()
+    rank, size = (hvd.rank(), hvd.size()) if hvd is not None else (0, 1)
 local = P.GLOBAL_BATCH // size
+# tf.distribute sums the replicas' gradients, Horovod averages them
+denominator = P.GLOBAL_BATCH if multiworker else local
 x, y = P.make_data(STEPS)
 xs, ys = P.shard_rows(x, y, rank, size)
 
-model = P.make_model(keras)
-optimizer = P.SHARD_WRAPS["stack"](dm, P.build_optimizer(dm, keras, "adam", clip="some", shard=mode != "one"))
-optimizer.build(model.trainable_variables)
+with strategy.scope():
+    model = P.make_model(keras)
+    optimizer = P.SHARD_WRAPS["stack"](dm, P.build_optimizer(dm, keras, "adam", clip="some", shard=mode != "one"))
+    optimizer.build(model.trainable_variables)
 
 
 @tf.function
 def step(xb, yb):
-    def loss_fn():
-        losses = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1)
-        return tf.nn.compute_average_loss(losses, global_batch_size=local)
-    optimizer.minimize(loss_fn, model.trainable_variables)
+    def replica(xb, yb):
+        def loss_fn():
+            losses = tf.reduce_mean(tf.square(model(xb, training=True) - yb), axis=-1)
+            return tf.nn.compute_average_loss(losses, global_batch_size=denominator)
+        optimizer.minimize(loss_fn, model.trainable_variables)
+    strategy.run(replica, args=(xb, yb))
 
 
 def train(lo, hi, checkpointer=None):
@@ -56,13 +71,14 @@ def train(lo, hi, checkpointer=None):
             checkpointer.step_done()
 
 
-ckpt = dm.Checkpointer(ckpt_dir, model, optimizer, every=STEPS // 2 if mode == "save" else 10 ** 6)
-start = ckpt.restore()
+with strategy.scope():
+    ckpt = dm.Checkpointer(ckpt_dir, model, optimizer, every=STEPS // 2 if mode == "save" else 10 ** 6)
+    start = ckpt.restore()
 if mode == "save":
     train(0, STEPS // 2, ckpt)  # saved at STEPS // 2
     ckpt.close()
     train(STEPS // 2, STEPS)  # the uninterrupted run goes on, saving nothing
-    if rank == 0:  # and rank 0 saves a .keras file (its share of the optimizer state: a warning)
+    if rank == 0 and not multiworker:  # and rank 0 saves a .keras file (its share of the optimizer state: a warning)
         model.compile(optimizer=optimizer, loss="mse")
         model.save(os.path.join(out_dir, "model.keras"))
 else:
