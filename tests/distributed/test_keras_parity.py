@@ -40,7 +40,7 @@ import tensorflow as tf
 import dist_minimize as dm
 import jobs
 import parity_lib as P
-from conftest import mirrored_strategy
+from conftest import default_profile_only, mirrored_strategy
 from jobs import run_param
 
 pytestmark = pytest.mark.distributed
@@ -83,6 +83,12 @@ def test_every_exported_class_is_covered():
     assert len(CASES) == 2 * len(rules)
 
 
+# The multiworker job of every rule runs on the default profile only (the test-time
+# budget): on TensorFlow 2.21 every rule runs under MirroredStrategy, and
+# MultiWorkerMirroredStrategy's parity job (test_parity.py) runs there too.
+ONCE = {"multiworker": [default_profile_only]}
+
+
 def processes(run: str, tmp_path_factory) -> list:
     """Each process's results of the run's shared job, by case."""
     if run == "multiworker":
@@ -90,8 +96,8 @@ def processes(run: str, tmp_path_factory) -> list:
     return jobs.horovod(run, 2, "keras_rules", tmp_path_factory)
 
 
-@pytest.mark.parametrize("run,case", [run_param(r, case) for r in ("mirrored", "multiworker", "horovod-gloo")
-                                      for case in CASES])
+@pytest.mark.parametrize("run,case", [run_param(r, case, marks=ONCE.get(r, ()))
+                                      for r in ("mirrored", "multiworker", "horovod-gloo") for case in CASES])
 def test_every_keras_rule_matches_one_device(tmp_path_factory, run, case):
     """Weights, iterations and clipped steps as on one device (every process's), and both
     processes' weights identical."""
@@ -116,8 +122,8 @@ def lazy_reference(case: str) -> list:
     return _refs[case]
 
 
-@pytest.mark.parametrize("run,case", [run_param(r, case) for r in ("multiworker", "horovod-gloo")
-                                      for case in P.LAZY_CASES])
+@pytest.mark.parametrize("run,case", [run_param(r, case, marks=ONCE.get(r, ()))
+                                      for r in ("multiworker", "horovod-gloo") for case in P.LAZY_CASES])
 def test_lazy_build_matches_the_built_first_run(tmp_path_factory, run, case):
     """Issue 22: a stack not built before its first traced step builds there, as stock
     Keras does, and trains as the built-first run (loss scaling, accumulation, every weight

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import proc
-from conftest import requires_horovod
+from conftest import default_profile_only, requires_horovod
 from dist_minimize import launcher
 
 pytestmark = pytest.mark.distributed
@@ -87,7 +87,8 @@ def test_main_job_with_every_wrapper_flag(tmp_path, launcher_name):
     assert "Traceback" not in text, text[-5000:]
 
 
-@pytest.mark.parametrize("launcher_name", [pytest.param("horovod-gloo", marks=requires_horovod), "multiworker"])
+@pytest.mark.parametrize("launcher_name", [pytest.param("horovod-gloo", marks=requires_horovod),
+                                           pytest.param("multiworker", marks=default_profile_only)])
 def test_main_job_shards_the_optimizer_state(tmp_path, launcher_name):
     """`--shard-optimizer-state` under horovodrun and MultiWorkerMirroredStrategy: each
     of the 2 processes prints its optimizer state bytes, together the unsharded job's

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.distributed
 DEFAULT = tf.distribute.get_strategy()
 
 
-ONE_COLLECTIVE_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES]
+ONE_COLLECTIVE_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES_ON[n]]
                         + [run_param("horovod-gloo", case) for case in P.HOROVOD_CASES])
 
 

@@ -23,7 +23,7 @@ from jobs import DEFAULT, arrays, run_param
 
 pytestmark = pytest.mark.distributed
 
-PARITY_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES]
+PARITY_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES_ON[n]]
                 + [run_param("multiworker", case) for case in jobs.MULTIWORKER_PARITY]
                 + [run_param(launcher, case) for launcher in ("horovod-gloo", "horovod-mpi")
                    for case in P.HOROVOD_MPI_CASES])
@@ -63,7 +63,7 @@ def test_matches_single_device(tmp_path_factory, run, case):
     assert agree, (run, case)
 
 
-STOCK_KERAS_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES]
+STOCK_KERAS_CASES = ([run_param(f"mirrored-{n}", case) for n in (2, 4) for case in P.MIRRORED_CASES_ON[n]]
                      + [run_param("multiworker", f"sgd-0.01/{mode}/{clip}")
                         for clip in ("never", "some") for mode in ("fit_integrated", "tape")]
                      + [run_param("horovod-gloo", f"sgd-0.01/{mode}/{clip}")

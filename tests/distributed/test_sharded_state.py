@@ -24,14 +24,18 @@ import pytest
 import jobs
 import parity_lib as P
 import proc
-from conftest import requires_horovod
+from conftest import default_profile_only, requires_horovod
 from dist_minimize import launcher
 from jobs import arrays, run_param
 
 pytestmark = pytest.mark.distributed
 
 HOROVOD_JOBS = [run_param("horovod-gloo", 2), run_param("horovod-gloo", 4), run_param("horovod-mpi", 2)]
-JOBS = HOROVOD_JOBS + [run_param("multiworker", 2)]
+# The sharded MultiWorkerMirroredStrategy jobs run on the default profile only (the
+# test-time budget); on TensorFlow 2.21 the internal they rely on is checked by
+# test_compat_canaries.py::test_local_variables_are_made_past_the_strategy.
+ONCE = [default_profile_only]
+JOBS = HOROVOD_JOBS + [run_param("multiworker", 2, marks=ONCE)]
 TOL = 1e-6
 
 
@@ -53,10 +57,10 @@ def ranks_of(run, np_, tmp_path_factory):
     return jobs.horovod(run, np_, "sharded_more" if more else "sharded", tmp_path_factory)
 
 
-CASES = [run_param(run, np_, case) for run, np_ in (("horovod-gloo", 2), ("horovod-gloo", 4), ("horovod-mpi", 2),
-                                                    ("multiworker", 2))
-         for case in P.SHARD_CASES] + [run_param(run, 2, case) for run in ("horovod-gloo", "multiworker")
-                                       for case in P.SHARD_MORE_CASES]
+CASES = [run_param(run, np_, case, marks=ONCE if run == "multiworker" else ())
+         for run, np_ in (("horovod-gloo", 2), ("horovod-gloo", 4), ("horovod-mpi", 2), ("multiworker", 2))
+         for case in P.SHARD_CASES] + [run_param(run, 2, case, marks=ONCE if run == "multiworker" else ())
+                                       for run in ("horovod-gloo", "multiworker") for case in P.SHARD_MORE_CASES]
 
 
 @pytest.mark.parametrize("run,np_,case", CASES)
@@ -189,8 +193,8 @@ def _state(ranks) -> dict:
     pytest.param(2, 4, "horovod", marks=requires_horovod, id="2-to-4"),
     pytest.param(4, 2, "horovod", marks=requires_horovod, id="4-to-2"),
     pytest.param(2, 1, "horovod", marks=requires_horovod, id="2-to-1-unsharded"),
-    pytest.param(2, 2, "multiworker", id="multiworker-2-to-2"),
-    pytest.param(2, 1, "multiworker", id="multiworker-2-to-1-unsharded")])
+    pytest.param(2, 2, "multiworker", marks=ONCE, id="multiworker-2-to-2"),
+    pytest.param(2, 1, "multiworker", marks=ONCE, id="multiworker-2-to-1-unsharded")])
 def test_sharded_checkpoint_resumes_on_any_number_of_processes(saved_on, resumed_on, run, tmp_path,
                                                                tmp_path_factory):
     """Each process writes its share; a run restored on M processes (1: one process,

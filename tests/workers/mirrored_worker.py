@@ -52,7 +52,7 @@ def copies_agree(variables) -> bool:
 
 results = {}
 keras_refs = {}
-for key in P.MIRRORED_CASES:
+for key in P.MIRRORED_CASES_ON[N]:
     opt_name, mode, clip = key.split("/")
     ref, _, _ = P.train(default, opt_name, mode, clip=clip)
     if (opt_name, clip) not in keras_refs:
