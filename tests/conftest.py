@@ -48,7 +48,10 @@ def mirrored_strategy() -> "tf.distribute.MirroredStrategy":
 DEFAULT_PROFILE_ONLY = ("tests/tooling/", "tests/distributed/test_process_lifecycle.py",
                         "tests/distributed/test_restarts.py", "tests/unit/test_launcher_restarts.py",
                         "tests/unit/test_launcher_cluster.py", "tests/distributed/test_security.py",
-                        "tests/distributed/test_repository_checks.py")
+                        "tests/distributed/test_repository_checks.py",
+                        # the main job (launcher and script: its TensorFlow side is the parity
+                        # tests'), and Keras's own optimizer tests (the same Keras on both)
+                        "tests/distributed/test_main_job.py", "tests/unit/test_keras_own_suite.py")
 default_profile_only = pytest.mark.default_profile_only
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

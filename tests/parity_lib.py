@@ -459,15 +459,18 @@ def train_custom(strategy, make_optimizer, dataset, steps: int, loss_denominator
 # shard_optimizer_state=True against the same run unsharded ("OPT/MODE/CLIP[/WRAP]"),
 # in tests/workers/horovod_worker.py's "sharded" scenario.
 SHARD_CASES = ["sgd/callable/some", "adam/callable/some", "adam/fit/some"]
-# On `horovodrun -np 2` and MultiWorkerMirroredStrategy only (the cases above run on every
-# job): the clip not firing, SAM, each wrapper, the whole stack, DP-SGD's noise, and rules
-# that need each tensor whole (a trust ratio per layer, factored moments, Newton-Schulz on
-# a matrix, per-coordinate accumulators).
+# On `horovodrun -np 2` and MultiWorkerMirroredStrategy (the cases above run on every job):
+# the clip not firing, and what sends collectives of its own or writes outside a step (SAM's
+# all-reduce, loss scaling's agreed skip, the averages gathered after training, DP-SGD's
+# noise by position, the full stack).
 SHARD_MORE_CASES = ["adam/tape/never", "adam/callable/some/stack", "adam/callable/some/sam",
-                    "adam/callable/some/average", "sgd/callable/some/swa", "adam/fit/some/lookahead",
-                    "adam/callable/some/accumulate", "adam/callable/some/full", "sgd/fit_integrated/some/dp_noise",
-                    "keras.Lamb/callable/some", "keras.Adafactor/callable/some", "keras.Muon/callable/some",
-                    "keras.Ftrl/callable/some"]
+                    "adam/callable/some/average", "sgd/callable/some/swa", "adam/callable/some/full",
+                    "sgd/fit_integrated/some/dp_noise"]
+# Under MultiWorkerMirroredStrategy only (the test-time budget; no collective of their
+# own): Lookahead, accumulation, and rules that need each tensor whole (a trust ratio per
+# layer, factored moments, Newton-Schulz on a matrix, per-coordinate accumulators).
+SHARD_MW_CASES = ["adam/fit/some/lookahead", "adam/callable/some/accumulate", "keras.Lamb/callable/some",
+                  "keras.Adafactor/callable/some", "keras.Muon/callable/some", "keras.Ftrl/callable/some"]
 SHARD_WRAPS = {
     "stack": lambda dm, opt: dm.LossScaleOptimizer(dm.DecoupledWeightDecay(opt, weight_decay=0.1),
                                                    initial_scale=64.0, growth_interval=2),

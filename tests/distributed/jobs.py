@@ -46,7 +46,8 @@ MULTIWORKER_JOBS = {
     "parity": MULTIWORKER_PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
     + P.SAM_CASES,
     "keras_rules": list(MULTIWORKER_RULE_CASES.values()),
-    "sharded": [f"shard/{case}" for case in P.SHARD_CASES + P.SHARD_MORE_CASES] + ["shard_lso_inf/1"],
+    "sharded": [f"shard/{case}" for case in P.SHARD_CASES + P.SHARD_MORE_CASES + P.SHARD_MW_CASES]
+    + ["shard_lso_inf/1"],
 }
 
 _results: dict = {}

@@ -96,7 +96,15 @@ def processes(run: str, tmp_path_factory) -> list:
     return jobs.horovod(run, 2, "keras_rules", tmp_path_factory)
 
 
-@pytest.mark.parametrize("run,case", [run_param(r, case, marks=ONCE.get(r, ()))
+def _once(run: str, case: str) -> list:
+    """The marks of (run, case): see ONCE; and on TensorFlow 2.21 MirroredStrategy takes each
+    rule in the custom loop with the clip firing (`fit` without a clipper: default profile)."""
+    if run == "mirrored" and case.endswith("/fit/none"):
+        return [default_profile_only]
+    return ONCE.get(run, [])
+
+
+@pytest.mark.parametrize("run,case", [run_param(r, case, marks=_once(r, case))
                                       for r in ("mirrored", "multiworker", "horovod-gloo") for case in CASES])
 def test_every_keras_rule_matches_one_device(tmp_path_factory, run, case):
     """Weights, iterations and clipped steps as on one device (every process's), and both

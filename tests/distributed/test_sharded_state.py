@@ -50,7 +50,8 @@ def close(a, b) -> bool:
 
 def ranks_of(run, np_, tmp_path_factory):
     """The job's results, one dict per process: on `horovodrun -np 2` and under
-    MultiWorkerMirroredStrategy with the cases of SHARD_MORE_CASES too."""
+    MultiWorkerMirroredStrategy with the cases of SHARD_MORE_CASES too (and under
+    MultiWorkerMirroredStrategy those of SHARD_MW_CASES)."""
     if run == "multiworker":
         return jobs.multiworker("sharded", tmp_path_factory)
     more = (run, np_) == ("horovod-gloo", 2)
@@ -60,7 +61,8 @@ def ranks_of(run, np_, tmp_path_factory):
 CASES = [run_param(run, np_, case, marks=ONCE if run == "multiworker" else ())
          for run, np_ in (("horovod-gloo", 2), ("horovod-gloo", 4), ("horovod-mpi", 2), ("multiworker", 2))
          for case in P.SHARD_CASES] + [run_param(run, 2, case, marks=ONCE if run == "multiworker" else ())
-                                       for run in ("horovod-gloo", "multiworker") for case in P.SHARD_MORE_CASES]
+                                       for run in ("horovod-gloo", "multiworker") for case in P.SHARD_MORE_CASES] \
+    + [run_param("multiworker", 2, case, marks=ONCE) for case in P.SHARD_MW_CASES]
 
 
 @pytest.mark.parametrize("run,np_,case", CASES)
