@@ -237,9 +237,8 @@ class HorovodAggregator(Aggregator):
                 return self._hvd.reducescatter(buffer, name=f"dm_shard_reducescatter_{k}", **kwargs)
         else:
             def collective(buffer, k):
-                width = buffer.shape[0] // size
                 reduced = self._hvd.allreduce(buffer, name=f"dm_shard_allreduce_{k}", **kwargs)
-                return reduced[rank * width:(rank + 1) * width]
+                return sharded.own_segment(reduced, size, rank)
         return sharded.reduce_scatter(list(grads_and_vars), owners, size, rank, collective)
 
     def collective_for_shards(self) -> str:

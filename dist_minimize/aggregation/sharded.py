@@ -142,6 +142,13 @@ def _assign(pairs: list):
     return tf.group([variable.assign(value) for variable, value in pairs])
 
 
+def own_segment(reduced: tf.Tensor, size: int, rank: int) -> tf.Tensor:
+    """Process `rank`'s segment of a bucket's buffer reduced whole (by an all-reduce):
+    what a reduce-scatter of that buffer would have left it."""
+    width = reduced.shape[0] // size
+    return reduced[rank * width:(rank + 1) * width]
+
+
 def planned(grads: Sequence, owners: Sequence[int], size: int) -> int:
     """The reduce-scatters of a step: one per bucket (`_buckets`)."""
     return len(_buckets(owners, list(grads), size))

@@ -116,9 +116,8 @@ class StrategyAggregator(Aggregator):
         ctx = tf.distribute.get_replica_context()
 
         def collective(buffer, k):
-            width = buffer.shape[0] // size
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, buffer, options=self.options)[
-                rank * width:(rank + 1) * width]
+            return sharded.own_segment(ctx.all_reduce(tf.distribute.ReduceOp.SUM, buffer, options=self.options),
+                                       size, rank)
 
         return sharded.reduce_scatter(list(grads_and_vars), owners, size, rank, collective)
 
