@@ -1,12 +1,12 @@
 """dist_minimize benchmarks: every comparison against its anchor in the same run, as ratios.
 
 Usage (from the repository root):
-  python benchmarks/run.py                      # full run (~19 min on 2 CPUs): RESULTS.md + results.png
+  python benchmarks/run.py                      # full run (~19 min on 2 CPUs): RESULTS.md + results.png (+ sharding.png)
   python benchmarks/run.py --quick --only clip  # a smoke run of one section
   python benchmarks/run.py --out DIR --no-plot  # write elsewhere, without matplotlib
 
 Sections (--only takes a comma-separated list): step, horovod, clip, aggregation,
-growth, memory, wrappers. Timings alternate A and B in one process (benchmarks/_timing.py);
+growth, memory, wrappers, custom, guard, sam, sharding. Timings alternate A and B in one process (benchmarks/_timing.py);
 the ratio is time(A) / time(B) per rep, reported as the median [min-max] over reps:
 above 1 means A is slower. Absolute times are context only: these machines are shared.
 """
@@ -640,7 +640,7 @@ def section_sharding(quick):
                   "dm.optimizer_state_bytes (Adam's slots and counters, the clipper's statistics); peak RSS: "
                   "VmHWM of each process. The partition is by whole variables (the largest first, to the least "
                   "loaded process), so a share exceeds 1/N by at most the largest variable (4M weights here).",
-                  "Step time: both optimizers in one job, alternating (21 turns of one step) beside an A/A "
+                  "Step time: both optimizers in one job, alternating (61 turns of one step) beside an A/A "
                   "control. Bytes sent: the loopback interface's counter over 5 steps, divided by N (every "
                   "process of the job talks over it): an all-reduce against the sharded step's collective per bucket "
                   "and its all-gather. The check holds the default."],
@@ -686,8 +686,7 @@ def write_plot(path, results):
     step = next((r["plot"]["step"] for r in results if "step" in r.get("plot", {})), [])
     growth = next((r["plot"]["growth"] for r in results if "growth" in r.get("plot", {})), [])
     wrappers = next((r["plot"]["wrappers"] for r in results if "wrappers" in r.get("plot", {})), [])
-    sharding = next((r["plot"]["sharding"] for r in results if "sharding" in r.get("plot", {})), [])
-    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     ax = axes[0]
     for i, anchor in enumerate(("hand_clip", "hand_clip_guard", "keras_clip", "keras")):
         xs = [j + 0.2 * (i - 1.5) for j in range(len(step))]
@@ -719,13 +718,25 @@ def write_plot(path, results):
     ax.axhline(WRAPPER_TARGET, color="k", ls="--", lw=0.8)
     ax.set_ylim(0.7, 1.3)
     ax.set_title("7. wrapper / hand-written, step-time ratio")
-    ax = axes[3]
-    if sharding:
-        ns = [row[0] for row in sharding]
-        for i, label in enumerate(("state, unsharded", "state, sharded", "peak RSS, unsharded", "peak RSS, sharded")):
-            ax.plot(ns, [row[1 + i] / 2**20 for row in sharding], "o-" if "unsharded" in label else "s--", label=label)
-        ax.set_xticks(ns)
-        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def write_sharding_plot(path, sharding):
+    """Section 11's figure (the section runs on its own): memory per process against N.
+    `sharding`: [(N, unsharded state, sharded state, unsharded peak RSS, sharded peak RSS)]
+    in bytes, the largest over the processes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ns = [row[0] for row in sharding]
+    for i, label in enumerate(("state, unsharded", "state, sharded", "peak RSS, unsharded", "peak RSS, sharded")):
+        ax.plot(ns, [row[1 + i] / 2**20 for row in sharding], "o-" if "unsharded" in label else "s--", label=label)
+    ax.set_xticks(ns)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
     ax.set_xlabel("processes N")
     ax.set_ylabel("MiB per process (the largest)")
     ax.set_title("11. sharded optimizer state: memory per process")
@@ -812,13 +823,20 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "RESULTS.md"), "w") as f:
         f.write(text)
+    plots = {k: v for r in results for k, v in r.get("plot", {}).items()}
     if not args.no_plot:
-        write_plot(os.path.join(args.out, "results.png"), results)
+        figures = []
+        if set(plots) & {"step", "growth", "wrappers"}:
+            write_plot(os.path.join(args.out, "results.png"), results)
+            figures.append("results")
+        if plots.get("sharding"):
+            write_sharding_plot(os.path.join(args.out, "sharding.png"), plots["sharding"])
+            figures.append("sharding")
         with open(os.path.join(args.out, "RESULTS.md"), "a") as f:
-            f.write("\n![results](results.png)\n")
+            f.writelines(f"\n![{name}]({name}.png)\n" for name in figures)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "plot"} for r in results], f, indent=1, default=str)
+            json.dump(results, f, indent=1, default=str)
     checks = [c for r in results for c in r.get("checks", [])]
     print("\nTargets\n" + markdown_table(["comparison", "measured", "target", "met"],
                                           [[c["item"], c["measured"], c["target"], "yes" if c["ok"] else "no"]

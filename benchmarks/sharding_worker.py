@@ -99,7 +99,7 @@ def main(argv):
             before = loopback_sent()
             r.run(STEPS)
             sent[name] = (loopback_sent() - before) / size / STEPS
-        f = _timing.focused(sharded.run, plain.run, plain_again.run, reps=3 if quick else 21, block_seconds=0.0,
+        f = _timing.focused(sharded.run, plain.run, plain_again.run, reps=3 if quick else 61, block_seconds=0.0,
                             agree=lambda n: int(hvd.broadcast_object(n, root_rank=0)))
         result.update(collective=sharded.backend.collective_for_shards(), ratio=f.ratio.as_dict(), control=f.control.as_dict(), ms={
             "sharded": f.timings.median_ms("a"), "unsharded": f.timings.median_ms("b")},

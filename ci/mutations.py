@@ -507,9 +507,15 @@ MUTATIONS = [
     Mutation("shard-buckets-unordered", "a sharded step's buckets are not ordered (every buffer may be built "
              "before the first collective runs)",
              "dist_minimize/aggregation/sharded.py",
-             "    return tf.control_dependencies(done[k - IN_FLIGHT:k - IN_FLIGHT + 1] if k >= IN_FLIGHT else [])\n",
+             "    return tf.control_dependencies(done[-1:])\n",
              "    return tf.control_dependencies([])\n",
-             ["tests/unit/test_sharding.py::test_buckets_go_in_order_so_only_a_few_buffers_live_at_once"]),
+             ["tests/unit/test_sharding.py::test_buckets_go_in_order_so_only_one_buffer_lives_at_once"]),
+    Mutation("shard-segment-view", "the segment a process keeps from a bucket's all-reduce is a slice (a view "
+             "that holds the whole reduced buffer until the update has run)",
+             "dist_minimize/aggregation/sharded.py",
+             "    return tf.raw_ops.DeepCopy(x=reduced[rank * width:(rank + 1) * width])\n",
+             "    return reduced[rank * width:(rank + 1) * width]\n",
+             ["tests/unit/test_sharding.py::test_a_segment_kept_from_an_all_reduce_is_a_copy_not_a_view"]),
     Mutation("shard-collective-auto-reducescatter", "shard_collective='auto' takes Horovod's reduce-scatter on CPUs",
              "dist_minimize/aggregation/horovod.py",
              "        return \"reducescatter\" if tf.config.list_logical_devices(\"GPU\") else \"allreduce\"\n",

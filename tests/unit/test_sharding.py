@@ -165,11 +165,11 @@ def _ancestors(tensor) -> set:
     return seen
 
 
-def test_buckets_go_in_order_so_only_a_few_buffers_live_at_once():
-    """Bucket k's buffer is built after bucket k - IN_FLIGHT's collective has returned
-    (the gather's after its writes): otherwise TensorFlow may build every buffer, a copy
-    of all the gradients, before the first collective runs, and the peak memory a
-    sharded step saves is spent again. The reduced values: each process keeps its segment."""
+def test_buckets_go_in_order_so_only_one_buffer_lives_at_once():
+    """Bucket k's buffer is built after bucket k - 1's collective has returned (the
+    gather's after its writes): otherwise TensorFlow may build every buffer, a copy of
+    all the gradients, before the first collective runs, and the peak memory a sharded
+    step saves is spent again. The reduced values: each process keeps its segment."""
     from dist_minimize._shards import Partition
     from dist_minimize.aggregation import sharded
 
@@ -201,11 +201,23 @@ def test_buckets_go_in_order_so_only_a_few_buffers_live_at_once():
         sharded.BUCKET_BYTES = saved
     mine = [i for i, o in enumerate(owners) if o == 0]
     assert [float(o[0]) for o in out] == [2 * (i + 0.5) for i in mine]
-    assert sharded.IN_FLIGHT == 2
     for kind, calls in seen.items():
         assert len(calls) == 6, kind
         for k, (buffer, _) in enumerate(calls):
             before = _ancestors(buffer)
-            for j, (_, result) in enumerate(calls[:k]):
-                # after bucket k - 2's collective (and so after k - 4's, ...), not k - 1's
-                assert (result.op in before) == ((k - j) % 2 == 0), (kind, k, j)
+            for j, (_, result) in enumerate(calls):
+                # after every earlier bucket's collective, before every later one
+                assert (result.op in before) == (j < k), (kind, k, j)
+
+
+def test_a_segment_kept_from_an_all_reduce_is_a_copy_not_a_view():
+    """`own_segment` copies: a slice would share the reduced buffer's memory and keep the
+    whole of it alive until the update has run (the step would hold the whole aggregated
+    gradient, as an unsharded step does)."""
+    from dist_minimize.aggregation import sharded
+
+    reduced = tf.range(4 * 1024, dtype=tf.float32)  # 4 processes, a 1024-element segment each
+    segment = sharded.own_segment(reduced, 4, 2)
+    np.testing.assert_array_equal(segment, np.arange(2048, 3072, dtype=np.float32))
+    assert not np.shares_memory(np.asarray(reduced), np.asarray(segment))
+    assert np.shares_memory(np.asarray(reduced), np.asarray(reduced[2048:3072]))  # what a slice does
