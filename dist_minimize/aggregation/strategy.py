@@ -96,7 +96,9 @@ class StrategyAggregator(Aggregator):
     # -- a sharded step (Optimizer(shard_optimizer_state=True); aggregation/sharded.py) --
     # MultiWorkerMirroredStrategy with one device per worker: tf.distribute's public
     # replica context offers an all-reduce and an all-gather, no reduce-scatter, so each
-    # bucket is all-reduced and each process keeps its slice.
+    # bucket is all-reduced and each process keeps its segment. (TensorFlow's own
+    # reduce-scatter op, CollectiveReduceScatterV2, is implemented by NCCL only, "undef"
+    # on CPUs, and takes the strategy's private collective keys: docs/sharding.md.)
 
     def processes(self) -> tuple[int, int]:
         """(number of replicas, this process's replica id); (1, 0) with one replica."""
