@@ -587,6 +587,45 @@ def _sharding_job(np_, mode, quick):
 SHARD_COLLECTIVES = {"sharded": "all-reduce + slice (default)", "sharded-reducescatter": "reduce-scatter"}
 
 
+def _transformer_encoder(layers=12, d=768, ff=3072, vocab=30522, heads=12):
+    """A BERT-base-sized encoder (108.5M weights), built without data or downloads."""
+    import keras
+    x = keras.Input((128,), dtype="int32")
+    h = keras.layers.Embedding(vocab, d)(x)
+    for _ in range(layers):
+        h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(heads, d // heads)(h, h))
+        h = keras.layers.LayerNormalization()(h + keras.layers.Dense(d)(keras.layers.Dense(ff, activation="gelu")(h)))
+    return keras.Model(x, h)
+
+
+def partition_rows(quick):
+    """The partition's balance and padding on a few models' trainable variables, computed
+    (no run): for N = 2, 4, 8, the largest process's share of the weights over 1/N of
+    them, and the zero padding the buckets send beyond the gradients' own size."""
+    import keras
+    from dist_minimize._shards import Partition, elements_of
+    from dist_minimize.aggregation import sharded
+    models = {"12 x Dense(2048)": lambda: keras.Sequential([keras.Input((2048,))]
+                                                           + [keras.layers.Dense(2048) for _ in range(12)])}
+    if not quick:
+        models.update({"ResNet50": lambda: keras.applications.ResNet50(weights=None),
+                       "MobileNetV2": lambda: keras.applications.MobileNetV2(weights=None),
+                       "BERT-base-sized encoder": _transformer_encoder})
+    rows = []
+    for name, make in models.items():
+        variables = make().trainable_variables
+        elements = [elements_of(v) for v in variables]
+        total = sum(elements)
+        row = [name, f"{total / 1e6:.1f} M", len(variables), f"{max(elements) / 1e6:.2f} M"]
+        for n in (2, 4, 8):
+            partition = Partition.balanced(elements, n, 0)
+            largest = max(partition.loads())
+            sent = sum(width * n for _, _, width in sharded._buckets(partition.owner, variables, n))
+            row.append(f"{largest / (total / n):.2f} / +{100 * (sent / total - 1):.0f}%")
+        rows.append(row)
+    return rows
+
+
 def section_sharding(quick):
     """Optimizer state sharded over N Horovod processes against unsharded: state bytes and
     peak RSS per process at N = 2 and 4, step time and bytes sent per step at N = 2."""
@@ -630,6 +669,9 @@ def section_sharding(quick):
                                "sharded state MiB (each process)", "largest sharded / unsharded",
                                "peak RSS MiB unsharded (each)", "peak RSS MiB sharded (each)",
                                "RSS saved / state saved (least)"], "rows": rows},
+                   {"header": ["model", "weights", "variables", "largest variable",
+                               "N=2: largest share x N / padding", "N=4", "N=8"],
+                    "rows": partition_rows(quick)},
                    {"header": ["N", "sharded step's collective", "unsharded ms/step", "sharded ms/step",
                                "sharded / unsharded", "A/A control",
                                "MB sent per process per step: unsharded / sharded", "gradient MB"],
@@ -643,7 +685,11 @@ def section_sharding(quick):
                   "Step time: both optimizers in one job, alternating (61 turns of one step) beside an A/A "
                   "control. Bytes sent: the loopback interface's counter over 5 steps, divided by N (every "
                   "process of the job talks over it): an all-reduce against the sharded step's collective per bucket "
-                  "and its all-gather. The check holds the default."],
+                  "and its all-gather. The check holds the default.",
+                  "The partition (whole variables, the largest first to the least loaded process), computed on "
+                  "each model's trainable variables: the largest process's share of the weights times N (1.00: "
+                  "exactly 1/N), and the zero padding the buckets send beyond the gradients' size (each bucket's "
+                  "segments are filled to the longest, for the reduce-scatter's equal split)."],
         "checks": checks, "plot": {"sharding": plot}}
 
 
