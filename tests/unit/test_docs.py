@@ -16,6 +16,7 @@ import dataclasses
 import glob
 import os
 import re
+import tempfile
 
 import keras
 import pytest
@@ -162,7 +163,8 @@ def test_python_block_runs(block, tmp_path, monkeypatch):
         pytest.skip(f"{block.name}: {block.not_run_reason}")
     strategy = mirrored_strategy()
     monkeypatch.setattr(tf.distribute, "MirroredStrategy", lambda *args, **kwargs: strategy)
-    monkeypatch.chdir(tmp_path)  # whatever an example writes lands here
+    monkeypatch.chdir(tmp_path)  # whatever an example writes lands here,
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its temporary directories too
     path = tmp_path / (re.sub(r"\W", "_", block.name) + ".py")
     path.write_text(block.code)
     namespace = {"__name__": "docs_example", "__file__": str(path)}

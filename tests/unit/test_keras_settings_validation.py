@@ -151,17 +151,17 @@ def test_a_clip_set_between_two_fits_applies_to_the_second(setting, strategy_nam
     assert max_abs_diff(got, unchanged) > 1e-3
 
 
-def test_the_config_holds_the_current_bound_and_checkpoints_do_not():
+def test_the_config_holds_the_current_bound_and_checkpoints_do_not(tmp_path):
     opt = _sgd("global_clipnorm", FIRST)
     v = tf.Variable([3.0, 4.0])
     opt.apply_gradients([(tf.constant([30.0, 40.0]), v)])
-    before = [name for name, _ in tf.train.list_variables(tf.train.Checkpoint(optimizer=opt).write("/tmp/_dm_c1"))]
+    before = [name for name, _ in tf.train.list_variables(tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / "c1")))]
     opt.global_clipnorm = SECOND
     clipper = opt.transforms[-1]
     assert clipper.clip_norm == SECOND and float(clipper.bound_variable.numpy()) == SECOND
     again = dm.Optimizer.from_config(opt.get_config())
     assert again.global_clipnorm == SECOND and again.transforms[-1].clip_norm == SECOND
-    after = [name for name, _ in tf.train.list_variables(tf.train.Checkpoint(optimizer=opt).write("/tmp/_dm_c2"))]
+    after = [name for name, _ in tf.train.list_variables(tf.train.Checkpoint(optimizer=opt).write(str(tmp_path / "c2")))]
     assert before == after  # the bound is configuration, not checkpointed state
     assert clipper.bound_variable not in opt.variables
     assert all(w is not clipper.bound_variable for w in opt.statistics_variables())
