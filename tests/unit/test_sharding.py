@@ -221,3 +221,12 @@ def test_a_segment_kept_from_an_all_reduce_is_a_copy_not_a_view():
     np.testing.assert_array_equal(segment, np.arange(2048, 3072, dtype=np.float32))
     assert not np.shares_memory(np.asarray(reduced), np.asarray(segment))
     assert np.shares_memory(np.asarray(reduced), np.asarray(reduced[2048:3072]))  # what a slice does
+
+
+def test_a_kept_segment_compiles_with_xla():
+    """The copy has no XLA kernel; under XLA the segment is the slice (XLA's compiler
+    places the buffers)."""
+    from dist_minimize.aggregation import sharded
+
+    step = tf.function(lambda reduced: sharded.own_segment(reduced, 4, 1) * 2.0, jit_compile=True)
+    np.testing.assert_array_equal(step(tf.range(4 * 8, dtype=tf.float32)), 2.0 * np.arange(8, 16, dtype=np.float32))
