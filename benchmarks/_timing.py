@@ -96,27 +96,43 @@ def alternate(variants: Dict[str, Callable[[int], None]], reps: int, steps: int,
     return out
 
 
-# A focused comparison: short blocks, many turns. Measured on this 2-core machine (MLP of
-# 20 variables, MirroredStrategy, 101 turns of 0.1 s): the anchor against a second copy of
-# itself 0.989-1.001 (median), where six variants in 0.4 s blocks gave 0.92-1.08 per turn.
-FOCUS_REPS, FOCUS_BLOCK_SECONDS = 61, 0.1
+# A focused comparison: short blocks, many turns, several builds. Measured on this 2-core
+# machine (MLP of 20 variables, MirroredStrategy, 101 turns of 0.1 s): the anchor against
+# a second copy of itself 0.989-1.001 (median), where six variants in 0.4 s blocks gave
+# 0.92-1.08 per turn. But a build keeps its own speed for the life of the process (memory
+# layout, thread placement): three copies of the same hand-written step ran 6.12, 6.34
+# and 6.48 ms (41 turns), so one copy of each side measures the luck of two builds as
+# much as the two steps. Each side is therefore several independently built copies, every
+# copy timed in every turn, a turn's time of a side the mean over its copies.
+FOCUS_REPS, FOCUS_BLOCK_SECONDS, FOCUS_COPIES = 61, 0.1, 3
 
 
 @dataclass
 class Focused:
-    """`a` against `b`, and the A/A control: a second copy of `b` against `b`."""
+    """`a` against `b`, and the A/A control: a second set of copies of `b` against `b`."""
 
     ratio: Ratio
     control: Ratio
     timings: Timings
 
 
-def focused(a: Callable[[int], None], b: Callable[[int], None], b_again: Callable[[int], None],
-            reps: int = FOCUS_REPS, block_seconds: float = FOCUS_BLOCK_SECONDS,
+def focused(a, b, b_again, reps: int = FOCUS_REPS, block_seconds: float = FOCUS_BLOCK_SECONDS,
             agree: Callable[[int], int] | None = None) -> Focused:
-    """Times `a`, `b` and `b_again` (a second, independently built `b`) alone, in short
+    """Times `a`, `b` and `b_again` (`b` built again, independently) alone, in short
     alternating blocks: the ratio that a check reads, and beside it the control, whose
-    distance from 1 is what this machine's noise does to the same comparison."""
-    t = alternate({"a": a, "b": b, "b_again": b_again}, reps=reps, steps=1, block_seconds=block_seconds,
-                  agree=agree)
-    return Focused(t.ratio("a", "b"), t.ratio("b_again", "b"), t)
+    distance from 1 is what this machine's noise does to the same comparison.
+
+    Each of `a`, `b`, `b_again` is a function running n steps, or a list of such
+    functions, one per independently built copy (`FOCUS_COPIES`); the copies of the
+    three sides are interleaved in every turn, and a side's time in a turn is the mean
+    over its copies. `timings` holds those per-side times ("a", "b", "b_again").
+    """
+    sides = {name: list(fns) if isinstance(fns, (list, tuple)) else [fns]
+             for name, fns in (("a", a), ("b", b), ("b_again", b_again))}
+    variants = {f"{name}#{j}": sides[name][j]
+                for j in range(max(len(v) for v in sides.values())) for name in sides if j < len(sides[name])}
+    t = alternate(variants, reps=reps, steps=1, block_seconds=block_seconds, agree=agree)
+    merged = Timings({name: [statistics.fmean(turn) for turn in zip(*(t.per_step[f"{name}#{j}"]
+                                                                     for j in range(len(fns))))]
+                      for name, fns in sides.items()})
+    return Focused(merged.ratio("a", "b"), merged.ratio("b_again", "b"), merged)

@@ -149,12 +149,15 @@ def main(argv):
     kinds = ("dm_clip", "hand_clip", "hand_clip_guard", "dm_clip_noguard", "dm_clip_lowered", "hand_clip_select")
     focus = {"reps": 3, "block_seconds": 0.0} if quick else {}
 
+    copies = 1 if quick else _timing.FOCUS_COPIES
+
     def focused(kinds, build, *args):  # kinds[0] against kinds[1] alone, with the A/A control
-        a, b, b_again = (HvdStep(k, build, 128, *args) for k in (kinds[0], kinds[1], kinds[1]))
-        f = _timing.focused(a.run, b.run, b_again.run, agree=agree, **focus)
+        sides = {side: [HvdStep(k, build, 128, *args) for _ in range(copies)]
+                 for side, k in (("a", kinds[0]), ("b", kinds[1]), ("b_again", kinds[1]))}
+        f = _timing.focused(*([s.run for s in sides[side]] for side in ("a", "b", "b_again")), agree=agree, **focus)
         return {"ratio": f.ratio.as_dict(), "control": f.control.as_dict(),
                 "ms": {kinds[0]: f.timings.median_ms("a"), kinds[1]: f.timings.median_ms("b")},
-                "traces": {"a": a.traces, "b": b.traces, "b_again": b_again.traces}}
+                "traces": {side: ",".join(str(s.traces) for s in steps) for side, steps in sides.items()}}
 
     for label, build in models.items():
         variants = {k: HvdStep(k, build, 128) for k in kinds}

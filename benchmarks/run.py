@@ -32,9 +32,11 @@ HERE = os.path.join(ROOT, "benchmarks")
 SECTIONS = ("step", "horovod", "clip", "aggregation", "growth", "memory", "wrappers", "custom", "guard", "sam",
             "sharding")
 STEP_TARGET, WRAPPER_TARGET, AGG_TARGET, MEMORY_TARGET = 1.03, 1.05, 0.9, 1.05
-FOCUS_NOTE = ("The check and the A/A control: the two steps compared alone, with a second, independently built "
-              "copy of the anchor, in 0.1 s blocks alternating 61 times (benchmarks/_timing.focused); the "
-              "control's distance from 1 is this machine's noise on the same comparison.")
+FOCUS_NOTE = ("The check and the A/A control: the two steps compared alone, each side three independently built "
+              "copies (a build keeps its own speed for the life of the process: copies of one step differed by "
+              "up to 6%), beside a second set of three copies of the anchor, every copy in 0.1 s blocks in each "
+              "of 61 alternating turns (benchmarks/_timing.focused); the control's distance from 1 is this "
+              "machine's noise on the same comparison.")
 
 
 def fmt(r: dict) -> str:
@@ -65,14 +67,23 @@ class Context:
         self.block_seconds = 0.0 if quick else 0.4
         # the checked rows of sections 8-10: a focused comparison (see _timing.focused)
         self.focus = {"reps": 3, "block_seconds": 0.0} if quick else {}
+        from benchmarks import _timing
+
+        self.copies = 1 if quick else _timing.FOCUS_COPIES
 
 
 def _focused(ctx, make_a, make_b):
-    """`make_a()` against `make_b()` alone, with the A/A control (a second `make_b()`)."""
+    """`make_a()` against `make_b()` alone, with the A/A control (`make_b()` built again),
+    `ctx.copies` builds of each side. Returns the comparison and, per side, its builds."""
     from benchmarks import _timing
 
-    a, b, b_again = make_a(), make_b(), make_b()
-    return _timing.focused(a.run, b.run, b_again.run, **ctx.focus), (a, b, b_again)
+    built = [[make() for _ in range(ctx.copies)] for make in (make_a, make_b, make_b)]
+    return _timing.focused(*([s.run for s in side] for side in built), **ctx.focus), built
+
+
+def _traces(sides) -> str:
+    """The traces column of a focused row: each side's builds' trace counts."""
+    return "/".join(",".join(str(b.traces) for b in side) for side in sides)
 
 
 def _compare(ctx, makers: dict, steps: int | None = None, multiple: int = 1, calibrate: bool = True):
@@ -367,7 +378,7 @@ def _pair(ctx, make, kinds: tuple[str, str], name: str, target: float):
         f, built = _focused(ctx, *(lambda k=k: make(k, build, batch) for k in kinds))
         r = f.ratio.as_dict()
         rows.append([label, f"{f.timings.median_ms('a'):.1f}", f"{f.timings.median_ms('b'):.1f}", fmt(r),
-                     fmt(f.control.as_dict()), "/".join(str(b.traces) for b in built)])
+                     fmt(f.control.as_dict()), _traces(built)])
         checks.append(check(name.format(label), r, target))
     return rows, checks
 

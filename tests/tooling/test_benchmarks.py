@@ -60,3 +60,25 @@ def test_a_timed_out_section_leaves_no_process(tmp_path):
     finally:
         for left in launcher._alive(tree):
             launcher._kill(left, signal.SIGKILL)
+
+
+def test_a_focused_comparison_averages_each_side_over_its_builds(monkeypatch):
+    """Each side of a focused comparison is several builds, each timed in every turn, a
+    side's time the mean over its builds (a clock that the steps advance by hand)."""
+    from benchmarks import _timing
+
+    clock = [0.0]
+    monkeypatch.setattr(_timing.time, "perf_counter", lambda: clock[0])
+
+    def step(seconds):
+        def run(n):
+            clock[0] += seconds * n
+        return run
+
+    f = _timing.focused([step(1.0), step(3.0)], [step(1.0), step(1.0)], [step(1.0), step(2.0)], reps=5,
+                        block_seconds=0.0)
+    assert f.ratio.per_rep == [2.0] * 5
+    assert f.control.per_rep == [1.5] * 5
+    assert f.timings.per_step["a"] == [2.0] * 5
+    one = _timing.focused(step(2.0), step(1.0), step(1.0), reps=3, block_seconds=0.0)
+    assert one.ratio.per_rep == [2.0] * 3 and one.control.per_rep == [1.0] * 3
