@@ -1,7 +1,7 @@
 """dist_minimize benchmarks: every comparison against its anchor in the same run, as ratios.
 
 Usage (from the repository root):
-  python benchmarks/run.py                      # full run (~19 min on 2 CPUs): RESULTS.md + results.png (+ sharding.png)
+  python benchmarks/run.py                      # full run (over an hour on 2 CPUs): RESULTS.md + results.png (+ sharding.png)
   python benchmarks/run.py --quick --only clip  # a smoke run of one section
   python benchmarks/run.py --out DIR --no-plot  # write elsewhere, without matplotlib
 
@@ -501,7 +501,8 @@ def section_horovod(ctx_quick):
         out = os.path.join(tmp, "hvd.json")
         cmd = [horovodrun, "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
                os.path.join(HERE, "horovod_worker.py"), out] + (["--quick"] if ctx_quick else [])
-        _run_group(cmd, timeout=300 if ctx_quick else 1800)  # 3 models x 6 kinds, SAM, section 8: ~20 min
+        # 3 models x 6 kinds, then 7 focused rows of 3 x 3 builds (SAM, section 8): ~40 min
+        _run_group(cmd, timeout=300 if ctx_quick else 3600)
         with open(out) as f:
             res = json.load(f)
     rows, checks, custom, alone = [], [], [], []
