@@ -89,10 +89,9 @@ def test_run_if_without_a_strategy_eager_and_traced():
     assert float(v.numpy()) == 111.0
 
 
-def test_assign_replicated_is_deferred_to_the_steps_one_synchronisation():
-    """Inside `deferred_updates`, under a merge-call strategy, the assign waits for the
-    step's `run_if(updates=...)`: reads before it see the old value; after it every copy
-    holds the new value."""
+def _deferred_counter_step():
+    """A MirroredStrategy step (2 replicas) that adds 1 to a replicated counter through
+    `assign_replicated`; each replica returns the counter as read after that call."""
     s = mirrored_strategy()
     with s.scope():
         counter = tf.Variable(5.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -104,7 +103,15 @@ def test_assign_replicated_is_deferred_to_the_steps_one_synchronisation():
         distribute.run_if(tf.constant(True), lambda: None, updates=pending)
         return before
 
-    seen = s.experimental_local_results(tf.function(lambda: s.run(replica))())
+    return s, counter, tf.function(lambda: s.run(replica))
+
+
+def test_assign_replicated_is_deferred_to_the_steps_one_synchronisation():
+    """Inside `deferred_updates`, under a merge-call strategy, the assign waits for the
+    step's `run_if(updates=...)`: reads before it see the old value; after it every copy
+    holds the new value."""
+    s, counter, step = _deferred_counter_step()
+    seen = s.experimental_local_results(step())
     assert [float(b) for b in seen] == [5.0, 5.0]
     assert [float(c.numpy()) for c in s.experimental_local_results(counter)] == [6.0, 6.0]
 
@@ -113,16 +120,7 @@ def test_assign_replicated_writes_each_copy_from_its_own_replica():
     """Nothing crosses devices: each device's copy is written from the value its own
     replica computed (copying replica 0's value to every device cost 2.5% of a
     20-variable MirroredStrategy step), as each worker writes its own copies."""
-    s = mirrored_strategy()
-    with s.scope():
-        counter = tf.Variable(5.0, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
-
-    def replica():
-        with distribute.deferred_updates() as pending:
-            distribute.assign_replicated(counter, tf.convert_to_tensor(counter) + 1.0)
-        distribute.run_if(tf.constant(True), lambda: None, updates=pending)
-
-    step = tf.function(lambda: s.run(replica))
+    s, counter, step = _deferred_counter_step()
     assigns = [op for op in step.get_concrete_function().graph.get_operations() if op.type == "AssignVariableOp"]
     assert len(assigns) == 2
     devices = [(tf.DeviceSpec.from_string(op.device), tf.DeviceSpec.from_string(op.inputs[1].op.device))
