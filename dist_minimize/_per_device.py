@@ -15,6 +15,7 @@ from dist_minimize import _compat, distribute
 
 class _OnDevice(threading.local):
     index: int | None = None
+    inputs: tuple | None = None  # `_compat.keras_update_inputs` of the rule, read before the branch
 
 
 # The device whose copies the update being traced writes (per-device update), or None.
@@ -22,43 +23,55 @@ _ON_DEVICE = _OnDevice()
 
 
 @contextlib.contextmanager
-def on_device(index: int):
-    previous, _ON_DEVICE.index = _ON_DEVICE.index, index
+def on_device(index: int, inputs: tuple | None = None):
+    previous = _ON_DEVICE.index, _ON_DEVICE.inputs
+    _ON_DEVICE.index, _ON_DEVICE.inputs = index, inputs
     try:
         yield
     finally:
-        _ON_DEVICE.index = previous
+        _ON_DEVICE.index, _ON_DEVICE.inputs = previous
 
 
 class PerDeviceUpdate:
     """The device-by-device guarded update (see the module docstring)."""
 
     def _update_device_by_device(self, condition: tf.Tensor, grads_and_vars: list, pending: list) -> None:
-        """The guarded update under a merge-call strategy, one `If` per device
-        (`distribute.run_if_per_device`), each writing that device's copies."""
+        """The guarded update made device by device: under a merge-call strategy one `If`
+        per device (`distribute.run_if_per_device`), each writing that device's copies;
+        elsewhere (one device, each Horovod process) `run_if`'s one `If`, on device 0.
+        The rule's step counter and learning rate are read before the branch
+        (`_compat.keras_update_inputs`), so that only gradient work waits for it."""
         variables = [v for _, v in grads_and_vars]
-        _compat.check_variables_are_known(self.stack()[-1].inner_optimizer, variables)
+        rule = self.stack()[-1].inner_optimizer
+        _compat.check_variables_are_known(rule, variables)
+        grads, inputs = [g for g, _ in grads_and_vars], _compat.keras_update_inputs(rule)
 
-        def apply_on(index, grads):
-            with on_device(index):
+        def apply_on(index, grads, inputs):
+            with on_device(index, inputs):
                 self._apply_and_notify(list(zip(grads, variables)))
 
         def skip_on(index):
             with on_device(index):
                 self._notify_skipped()
 
-        distribute.run_if_per_device(condition, apply_on, args=([g for g, _ in grads_and_vars],),
-                                     otherwise=skip_on, updates=pending)
+        if distribute.uses_merge_call():
+            distribute.run_if_per_device(condition, apply_on, args=(grads, inputs), otherwise=skip_on,
+                                         updates=pending)
+        else:
+            distribute.run_if(condition, lambda grads, inputs: apply_on(0, grads, inputs), args=(grads, inputs),
+                              otherwise=lambda: skip_on(0), updates=pending)
 
     def _per_device_ok(self, grads_and_vars: list) -> bool:
-        """Whether this stack's update can be made device by device under a merge-call
-        strategy (`distribute.run_if_per_device`), instead of by `run_if`.
+        """Whether this stack's guarded update can be made device by device
+        (`_update_device_by_device`), instead of by `run_if` around the whole stack.
 
-        Why: `run_if` takes its branch once in the cross-replica context, and TensorFlow
-        lowers that multi-device `tf.cond` into a Switch and an Identity per input per
-        device (about 800 at 100 variables on 2 devices: a 1.13x step). One unlowered
-        cond per device holds the same update and costs one kernel each (where its ops
-        have kernels for the device: `_compat.unlowered_cond`).
+        Why: under a merge-call strategy `run_if` takes its branch once in the
+        cross-replica context, and TensorFlow lowers that multi-device `tf.cond` into a
+        Switch and an Identity per input per device (about 800 at 100 variables on 2
+        devices: a 1.13x step). One unlowered cond per device holds the same update and
+        costs one kernel each (where its ops have kernels for the device:
+        `_compat.unlowered_cond`). On every backend, the Keras rule's own scalar work
+        (its step counter, its learning rate) is then read before the branch.
 
         The step hooks (`apply_updates`, `on_applied`, `on_skipped`) may run device by
         device because their contract allows only reading and writing variables (no
@@ -71,6 +84,7 @@ class PerDeviceUpdate:
         rule = self.stack()[-1].__dict__.get("inner_optimizer")  # the Keras update rule, if any
         if rule is None:
             return False
-        if not distribute.has_copy_per_device([v for _, v in grads_and_vars] + [self.iterations]):
+        if distribute.uses_merge_call() and not distribute.has_copy_per_device(
+                [v for _, v in grads_and_vars] + [self.iterations]):
             return False
         return _compat.keras_apply_on_device_blocker(rule, grads_and_vars) is None

@@ -263,7 +263,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             distribute.flush_updates(pending)
             top._apply_and_notify(grads_and_vars)
             return
-        if distribute.uses_merge_call() and top._per_device_ok(grads_and_vars):
+        if top._per_device_ok(grads_and_vars):
             top._update_device_by_device(condition, grads_and_vars, pending)
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),

@@ -346,6 +346,7 @@ from dist_minimize._compat.per_device import (  # noqa: E402,F401
     check_variables_are_known,
     keras_apply_on_device,
     keras_apply_on_device_blocker,
+    keras_update_inputs,
     ops_without_kernel,
     resources_on,
     unlowered_cond,

@@ -4,6 +4,8 @@ one device's copies, tf.distribute's update context, and an unlowered `If`. Part
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import tensorflow as tf
 
@@ -51,30 +53,71 @@ def check_variables_are_known(optimizer: keras.optimizers.Optimizer, variables: 
     optimizer._check_variables_are_known(variables)
 
 
+def keras_update_inputs(optimizer: keras.optimizers.Optimizer) -> tuple:
+    """What Keras's `update_step` derives its per-variable scalars from, read now: the
+    step counter's value and the learning rate, as tensors (of this replica's copies).
+
+    Read before the guard's branch and handed to `keras_apply_on_device`, they leave
+    the branch only the work that needs the gradients. Inside a branch nothing starts
+    before the condition, and Keras's rules read the counter once per variable and
+    build its powers from it (Adam: about ten small ops per variable), so read inside,
+    that work waits for the condition (benchmarks/RESULTS.md, section 9).
+    """
+    return tf.identity(optimizer.iterations), tf.identity(optimizer.learning_rate)
+
+
 def keras_apply_on_device(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
-                          index: int, grads: list, variables: list) -> None:
+                          index: int, grads: list, variables: list, inputs: tuple | None = None) -> None:
     """What `optimizer.apply(grads, variables)` does to the copies on device `index`.
 
-    Call it in the cross-replica context, under `update_context(index)` and that
-    device's scope, with that device's gradients. Keras's own `apply` makes the same
-    writes from the cross-replica context for every device in turn
+    Under a merge-call strategy, call it in the cross-replica context, under
+    `update_context(index)` and that device's scope, with that device's gradients
+    (elsewhere: device 0, the process's own variables). Keras's own `apply` makes the
+    same writes from the cross-replica context for every device in turn
     (`strategy.extended.update`): decoupled weight decay of the variables it selects,
     `update_step` for each variable (the optimizer's update rule, its slots read and
     written on this device), then the iterations counter. Only where
     `keras_apply_on_device_blocker` returns None.
+
+    `inputs`: `keras_update_inputs(optimizer)` read earlier (on this device); the
+    update rule then reads the counter's value from it (`keras.StatelessScope`, whose
+    mapping Keras consults on every read of a Keras variable) and takes the learning
+    rate from it. A write of a Keras variable that the scope held back instead of
+    making (a rule writing one of its own variables directly rather than through
+    `self.assign`) is made after the rule, on this device; any other is refused.
     """
     local = [strategy.experimental_local_results(v.value if isinstance(v, keras.Variable) else v)[index]
              for v in variables]
-    if optimizer.weight_decay is not None:
-        for variable in local:
-            if optimizer._use_weight_decay(variable):
-                lr = tf.cast(optimizer.learning_rate, variable.dtype)
-                wd = tf.cast(optimizer.weight_decay, variable.dtype)
-                variable.assign_sub(variable * wd * lr)
-    learning_rate = optimizer.learning_rate
-    for grad, variable in zip(grads, local):
-        optimizer.update_step(grad, variable, learning_rate)
+    iterations, learning_rate = inputs if inputs is not None else (None, optimizer.learning_rate)
+    mapping = [] if iterations is None else [(optimizer.iterations, iterations)]
+    with keras.StatelessScope(state_mapping=mapping) if mapping else contextlib.nullcontext() as scope:
+        counter = scope.get_current_value(optimizer.iterations) if scope is not None else None
+        if optimizer.weight_decay is not None:
+            for variable in local:
+                if optimizer._use_weight_decay(variable):
+                    lr = tf.cast(learning_rate, variable.dtype)
+                    wd = tf.cast(optimizer.weight_decay, variable.dtype)
+                    variable.assign_sub(variable * wd * lr)
+        for grad, variable in zip(grads, local):
+            optimizer.update_step(grad, variable, learning_rate)
+    if scope is not None:
+        _make_held_back_writes(scope, optimizer, strategy, index, counter)
     strategy.experimental_local_results(optimizer.iterations.value)[index].assign_add(1)
+
+
+def _make_held_back_writes(scope, optimizer, strategy, index: int, counter: tf.Tensor) -> None:
+    held = dict(scope.state_mapping)  # id(Keras variable) -> its value in the scope (private layout)
+    if held.pop(id(optimizer.iterations), None) is not counter:
+        raise RuntimeError(f"{type(optimizer).__name__}.update_step wrote its iterations counter; dist_minimize's "
+                           "update adds 1 after every variable's update_step, as Keras's apply does")
+    for variable in optimizer.variables:
+        value = held.pop(id(variable), None)
+        if value is not None:
+            strategy.experimental_local_results(variable.value)[index].assign(value)
+    if held:
+        raise RuntimeError(f"{type(optimizer).__name__}.update_step wrote {len(held)} Keras variable(s) that are "
+                           "not the optimizer's own (by Variable.assign); write them through the optimizer's "
+                           "assign/assign_add/assign_sub")
 
 
 def update_context(index: int):

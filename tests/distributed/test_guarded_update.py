@@ -45,6 +45,21 @@ class CountingWrapper(dm.OptimizerWrapper):
         dm.distribute.assign_replicated(self.count, tf.convert_to_tensor(self.count) + 1)
 
 
+class OutsideReader(dm.OptimizerWrapper):
+    """A user's wrapper whose step hook reads a variable made outside the strategy's
+    scope (one copy, on CPU:0)."""
+
+    def __init__(self, optimizer, outside):
+        super().__init__(optimizer)
+        self._outside = outside
+
+    def build_state(self, var_list):
+        self.total = self.add_slot(var_list[0], "total")
+
+    def on_applied(self, grads_and_vars):
+        self.total.assign_add(tf.fill(tf.shape(self.total), self._outside))
+
+
 class SlowerAverage(dm.MovingAverage):
     """A user's MovingAverage whose helper (called by the package's own hook) changes the
     decay."""
@@ -65,7 +80,7 @@ PER_DEVICE = [(False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:0"),
 
 
 @pytest.mark.parametrize("case", ["plain", "adam", "moving_average", "swa+decay", "stage_override", "lr_outside_scope",
-                                  "user_hook", "helper_override", "constraint", "nadam"])
+                                  "hook_reads_outside", "user_hook", "helper_override", "constraint", "nadam"])
 def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
     """The guarded update is one `If` per device, on that device, which TensorFlow keeps
     whole (one kernel, not a Switch and an Identity per input: issue 11), for the
@@ -74,8 +89,9 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
     rule cannot be applied device by device (a constraint, a Keras optimizer that
     changes `apply`), it is the one lowered cond of `run_if`. A device whose update reads
     a variable of another device (made outside the scope) keeps its cond lowered, which
-    TensorFlow can place. Either way the update is right and a non-finite step is
-    skipped on every device."""
+    TensorFlow can place; a learning rate read from such a variable is not that case,
+    as the rule's learning rate is read before the branch. Either way the update is
+    right and a non-finite step is skipped on every device."""
     lr_var = tf.Variable(0.1, trainable=False)  # outside the scope: one copy, on CPU:0
     s = strategy()
     with s.scope():
@@ -95,11 +111,14 @@ def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
             opt = dm.SWA(dm.DecoupledWeightDecay(opt, 0.1), start_averaging=0, average_period=1)
         if case == "user_hook":
             opt = CountingWrapper(opt)
+        if case == "hook_reads_outside":
+            opt = OutsideReader(opt, lr_var)
         opt.build([v])
     conds = guarded_step_conds(opt, v)
-    if case in ("plain", "adam", "moving_average", "swa+decay", "stage_override", "user_hook", "helper_override"):
+    if case in ("plain", "adam", "moving_average", "swa+decay", "stage_override", "user_hook", "helper_override",
+                "lr_outside_scope"):
         assert sorted(conds) == PER_DEVICE, conds
-    elif case == "lr_outside_scope":
+    elif case == "hook_reads_outside":
         assert sorted(conds) == [PER_DEVICE[0], (True, PER_DEVICE[1][1])], conds
     else:
         assert [lowered for lowered, _ in conds] == [True], conds
