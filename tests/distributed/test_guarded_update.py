@@ -265,3 +265,55 @@ def test_one_synchronisation_per_step_for_guard_counters_and_statistics(stack, m
         return dm.LossScaleOptimizer(opt) if stack.startswith("lso") else opt
 
     assert count_merge_calls(dm_stack, monkeypatch) - count_merge_calls(hand, monkeypatch) == -2  # 2 replicas
+
+
+def branch_consumers(step_fn, handle) -> list:
+    """Op types, in the true branch of each guard `If` of the traced `step_fn`, that use
+    the resource `handle` (a variable's, captured by the step), one list per `If`."""
+    concrete = step_fn.get_concrete_function()
+    graph = concrete.graph
+    inner = [internal for external, internal in graph.captures if external is handle]
+    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+    out = []
+    for op in graph.get_operations():
+        if op.type not in ("If", "StatelessIf"):
+            continue
+        branch = library[op.get_attr("then_branch").name]
+        args = {branch.signature.input_arg[k - 1].name for k, t in enumerate(op.inputs)
+                if k > 0 and any(t is i for i in inner)}
+        out.append(sorted(n.op for n in branch.node_def if any(i.split(":")[0] in args for i in n.input)))
+    return out
+
+
+@pytest.mark.parametrize("where", ["mirrored", "one_device"])
+def test_the_rule_reads_its_step_counter_before_the_branch(where):
+    """Keras's rules read their step counter once per variable and build their powers
+    from it; the guard's branch holds only the counter's increment, the reads made
+    before it (`_compat.keras_update_inputs`), so that this scalar work does not wait
+    for the condition. Under MirroredStrategy (each device's If) and on one device
+    (also each Horovod process's path); the update stays exact."""
+    s = strategy() if where == "mirrored" else tf.distribute.get_strategy()
+    with s.scope():
+        vs = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
+        opt = dm.Optimizer(keras.optimizers.Adam(0.1), transform_gradients=dm.clip_by_global_norm(1.0))
+        opt.build(vs)
+    rule = opt.inner_optimizer
+    grads = [tf.constant([0.5, -0.5]), tf.constant([0.25])]
+
+    @tf.function
+    def step():
+        s.run(lambda: opt.apply_gradients(zip(grads, vs)))
+
+    counters = [c.handle for c in s.experimental_local_results(rule.iterations.value)]
+    uses = [u for c in counters for u in branch_consumers(step, c) if u]
+    assert uses and all(u == ["AssignAddVariableOp"] for u in uses), uses
+    for _ in range(3):
+        step()
+    ref_vars = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
+    ref = keras.optimizers.Adam(0.1)
+    clipped, _ = tf.clip_by_global_norm([g * s.num_replicas_in_sync for g in grads], 1.0)
+    for _ in range(3):
+        ref.apply_gradients(zip(clipped, ref_vars))
+    for v, r in zip(vs, ref_vars):
+        for copy in s.experimental_local_results(v):
+            np.testing.assert_allclose(copy.numpy(), r.numpy(), rtol=1e-6)

@@ -525,3 +525,48 @@ def test_local_variables_are_made_past_the_strategy():
     assert not isinstance(local, tf.distribute.DistributedValues) and local.numpy().tolist() == [2.0, 3.0]
     assert not isinstance(keras_local.value, tf.distribute.DistributedValues)
     assert keras_local.numpy().tolist() == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_stateless_scope_holds_writes_by_variable_id():
+    """`keras_apply_on_device` maps the rule's step counter through `keras.StatelessScope`
+    and reads the writes it held back from `scope.state_mapping` (id -> value)."""
+    v, counter = keras.Variable(1.0), keras.Variable(3, dtype="int64")
+    with keras.StatelessScope(state_mapping=[(counter, tf.constant(5, tf.int64))]) as scope:
+        assert int(counter + 1) == 6
+        v.assign(2.0)
+    assert set(scope.state_mapping) == {id(v), id(counter)}
+    assert float(scope.state_mapping[id(v)]) == 2.0 and float(v.numpy()) == 1.0
+
+
+class _CountingSGD(keras.optimizers.SGD):
+    """A user's Keras rule that writes a variable of its own directly (Variable.assign)."""
+
+    def build(self, variables):
+        super().build(variables)
+        self.count = self.add_variable(shape=(), dtype="float32", initializer="zeros", name="count")
+
+    def update_step(self, gradient, variable, learning_rate):
+        self.count.assign(self.count + 1.0)
+        super().update_step(gradient, variable, learning_rate)
+
+
+@pytest.mark.parametrize("where", ["one_device", "mirrored"])
+def test_a_rules_direct_write_held_back_by_the_scope_is_made(where):
+    """A write the scope held back (a rule writing its own variable by Variable.assign) is
+    made after the rule, on each device: not lost."""
+    import dist_minimize as dm
+
+    s = mirrored_strategy() if where == "mirrored" else tf.distribute.get_strategy()
+    with s.scope():
+        vs = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
+        opt = dm.Optimizer(_CountingSGD(0.1))
+        opt.build(vs)
+
+    @tf.function
+    def step():
+        s.run(lambda: opt.apply_gradients([(tf.constant([0.5, -0.5]), vs[0]), (tf.constant([1.0]), vs[1])]))
+
+    step()
+    step()
+    rule = opt.inner_optimizer
+    assert [float(c.numpy()) for c in s.experimental_local_results(rule.count.value)] == [4.0] * s.num_replicas_in_sync
