@@ -224,8 +224,10 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
         on every optimizer of the stack. That branch is one `If` op per device that
         TensorFlow does not lower (`_compat.unlowered_cond`): in each process without a
         merge-call strategy (one device, Horovod), and device by device under
-        MirroredStrategy and MultiWorkerMirroredStrategy when the Keras rule allows it
-        (`_per_device_ok`), else `run_if`'s one cond taken in the cross-replica context.
+        MirroredStrategy and MultiWorkerMirroredStrategy; where the Keras rule allows it
+        (`_per_device_ok`) its step counter and learning rate are read before the
+        branch, and under a merge-call strategy where it does not, the branch is
+        `run_if`'s one cond taken in the cross-replica context.
         Wrappers pass the call inward, so a wrapper that changes WHEN the update
         happens (gradient accumulation) overrides this and
         calls `super().run_update(...)` under `dist_minimize.distribute.run_if`.
