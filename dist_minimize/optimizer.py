@@ -248,7 +248,7 @@ class Optimizer(StagedOptimizer):
             # `apply` makes on every device, made on this one.
             _compat.keras_apply_on_device(rule, tf.distribute.get_strategy(), device,
                                           [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars],
-                                          inputs=_ON_DEVICE.inputs)
+                                          _ON_DEVICE.inputs)
 
     def keras_settings(self) -> dict:
         """The clip bounds of `transform_gradients` as Keras's `clipnorm`, `clipvalue` and

@@ -4,8 +4,6 @@ one device's copies, tf.distribute's update context, and an unlowered `If`. Part
 
 from __future__ import annotations
 
-import contextlib
-
 import keras
 import tensorflow as tf
 
@@ -67,7 +65,7 @@ def keras_update_inputs(optimizer: keras.optimizers.Optimizer) -> tuple:
 
 
 def keras_apply_on_device(optimizer: keras.optimizers.Optimizer, strategy: tf.distribute.Strategy,
-                          index: int, grads: list, variables: list, inputs: tuple | None = None) -> None:
+                          index: int, grads: list, variables: list, inputs: tuple) -> None:
     """What `optimizer.apply(grads, variables)` does to the copies on device `index`.
 
     Under a merge-call strategy, call it in the cross-replica context, under
@@ -79,7 +77,7 @@ def keras_apply_on_device(optimizer: keras.optimizers.Optimizer, strategy: tf.di
     written on this device), then the iterations counter. Only where
     `keras_apply_on_device_blocker` returns None.
 
-    `inputs`: `keras_update_inputs(optimizer)` read earlier (on this device); the
+    `inputs`: `keras_update_inputs(optimizer)`, read earlier on this device; the
     update rule then reads the counter's value from it (`keras.StatelessScope`, whose
     mapping Keras consults on every read of a Keras variable) and takes the learning
     rate from it. A write of a Keras variable that the scope held back instead of
@@ -88,10 +86,9 @@ def keras_apply_on_device(optimizer: keras.optimizers.Optimizer, strategy: tf.di
     """
     local = [strategy.experimental_local_results(v.value if isinstance(v, keras.Variable) else v)[index]
              for v in variables]
-    iterations, learning_rate = inputs if inputs is not None else (None, optimizer.learning_rate)
-    mapping = [] if iterations is None else [(optimizer.iterations, iterations)]
-    with keras.StatelessScope(state_mapping=mapping) if mapping else contextlib.nullcontext() as scope:
-        counter = scope.get_current_value(optimizer.iterations) if scope is not None else None
+    iterations, learning_rate = inputs
+    with keras.StatelessScope(state_mapping=[(optimizer.iterations, iterations)]) as scope:
+        counter = scope.get_current_value(optimizer.iterations)
         if optimizer.weight_decay is not None:
             for variable in local:
                 if optimizer._use_weight_decay(variable):
@@ -100,8 +97,7 @@ def keras_apply_on_device(optimizer: keras.optimizers.Optimizer, strategy: tf.di
                     variable.assign_sub(variable * wd * lr)
         for grad, variable in zip(grads, local):
             optimizer.update_step(grad, variable, learning_rate)
-    if scope is not None:
-        _make_held_back_writes(scope, optimizer, strategy, index, counter)
+    _make_held_back_writes(scope, optimizer, strategy, index, counter)
     strategy.experimental_local_results(optimizer.iterations.value)[index].assign_add(1)
 
 

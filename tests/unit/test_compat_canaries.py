@@ -331,7 +331,8 @@ def test_keras_apply_on_device_makes_the_writes_of_keras_apply(name):
                 for i, device in enumerate(strategy.extended.worker_devices):
                     with tf.device(device), _compat.update_context(i):
                         local = [strategy.experimental_local_results(g)[i] for g in grads]
-                        _compat.keras_apply_on_device(opt, strategy, i, local, vars_)
+                        _compat.keras_apply_on_device(opt, strategy, i, local, vars_,
+                                                      _compat.keras_update_inputs(opt))
 
             tf.distribute.get_replica_context().merge_call(cross, args=(grads,))
         s.run(replica)
