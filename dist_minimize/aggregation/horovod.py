@@ -19,6 +19,10 @@ _SHARD_COLLECTIVES = ("auto", "reducescatter", "allreduce")
 # Horovod's own default fusion buffer (HOROVOD_FUSION_THRESHOLD): the same bound on
 # what one packed buffer holds.
 DEFAULT_BYTES_PER_PACK = 64 * 1024 * 1024
+# Gradients under this size are packed; larger ones go to the grouped allreduce as they
+# are (measured on 2 Gloo processes, CPUs: packing 256 KiB and 64 KiB kernels cost 5-9%
+# of the step, packing 4 KiB ones saved 8%; benchmarks/RESULTS.md section 2).
+DEFAULT_PACK_BELOW = 32 * 1024
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")
@@ -37,14 +41,15 @@ class HorovodAggregator(Aggregator):
     (Adasum issues one `hvd.allreduce` per tensor: Horovod 0.28.1's `grouped_allreduce`
     fails with Adasum.)
 
-    All dense gradients of the step go into a single `hvd.grouped_allreduce` call, packed
-    first (for `"mean"` and `"sum"`) into one flat buffer per dtype of at most
-    `bytes_per_pack` bytes: Horovod then reduces a few large tensors instead of many
-    small ones, each element exactly as it would alone (measured on 2 processes with
-    200 gradients of 16 KiB: 0.83 of the throughput of one tensor of the same size,
-    against 0.64 unpacked; `benchmarks/RESULTS.md`). A gradient of `bytes_per_pack` or
-    more is sent as it is. Packing holds one extra copy of the packed gradients while
-    they are reduced; `bytes_per_pack=0` turns it off.
+    All dense gradients of the step go into a single `hvd.grouped_allreduce` call, the
+    small ones (under `pack_below` bytes) packed first (for `"mean"` and `"sum"`) into
+    one flat buffer per dtype of at most `bytes_per_pack` bytes: Horovod then reduces a
+    few large tensors instead of many small ones, each element exactly as it would alone
+    (measured on 2 processes with 200 gradients of 16 KiB: 0.83 of the throughput of
+    one tensor of the same size, against 0.64 unpacked; `benchmarks/RESULTS.md`). A
+    gradient of `pack_below` bytes or more is sent as it is: for it, the copy into a
+    buffer costs more than Horovod's per-tensor work. Packing holds one extra copy of
+    the packed gradients while they are reduced; `bytes_per_pack=0` turns it off.
     `IndexedSlices` (an `Embedding` gradient) are densified first when
     `sparse_as_dense=True` (then they join the grouped allreduce); otherwise each is
     allgathered (values and indices) and stays sparse, its values divided by the
@@ -66,6 +71,9 @@ class HorovodAggregator(Aggregator):
         processes (default: all).
       bytes_per_pack: the largest packed buffer, in bytes (default 64 MiB, Horovod's
         fusion threshold); 0 sends every gradient separately. Adasum never packs.
+      pack_below: only gradients smaller than this many bytes are packed (default
+        32 KiB, measured on CPUs over Gloo; where a copy is cheap beside a
+        collective's per-tensor cost, as on GPUs, a larger bound may pay).
       shard_collective: how a sharded step (`Optimizer(shard_optimizer_state=True)`)
         receives its share of the aggregated gradients: `"reducescatter"` (one
         `hvd.reducescatter` per bucket: each process receives only its share, half an
@@ -78,7 +86,7 @@ class HorovodAggregator(Aggregator):
     Raises:
       ValueError: an unknown `reduction` or `compression`, a non-positive
         `gradient_predivide_factor`, a predivide factor with a reduction other than
-        `"mean"`, or a negative or non-integer `bytes_per_pack`.
+        `"mean"`, or a negative or non-integer `bytes_per_pack` or `pack_below`.
       MissingDependencyError: Horovod is not installed with TensorFlow support.
     """
 
@@ -92,6 +100,7 @@ class HorovodAggregator(Aggregator):
         gradient_predivide_factor: float = 1.0,
         process_set: Any = None,
         bytes_per_pack: int = DEFAULT_BYTES_PER_PACK,
+        pack_below: int = DEFAULT_PACK_BELOW,
         shard_collective: Literal["auto", "reducescatter", "allreduce"] = "auto",
     ):
         if reduction not in _REDUCTIONS:
@@ -107,6 +116,7 @@ class HorovodAggregator(Aggregator):
                 "`gradient_predivide_factor` only applies to reduction='mean'. Received: "
                 f"gradient_predivide_factor={gradient_predivide_factor!r}, reduction={reduction!r}")
         self.bytes_per_pack = check_nonnegative_int("bytes_per_pack", bytes_per_pack)
+        self.pack_below = check_nonnegative_int("pack_below", pack_below)
         if shard_collective not in _SHARD_COLLECTIVES:
             raise ValueError(f"`shard_collective` must be one of {list(_SHARD_COLLECTIVES)}. "
                              f"Received: shard_collective={shard_collective!r}")
@@ -180,7 +190,7 @@ class HorovodAggregator(Aggregator):
                 reduced[i] = hvd.allreduce(grads[i], **kwargs)
         elif dense_idx:
             # Sum and mean act element by element: packed, each element is reduced as alone.
-            buffers, spec = packing.pack([grads[i] for i in dense_idx], self.bytes_per_pack)
+            buffers, spec = packing.pack([grads[i] for i in dense_idx], self.bytes_per_pack, self.pack_below)
             reduced_buffers = hvd.grouped_allreduce(buffers, **self._allreduce_kwargs(size))
             out = packing.unpack(reduced_buffers, spec)
             for i, g in zip(dense_idx, out):
@@ -290,6 +300,7 @@ class HorovodAggregator(Aggregator):
             "sparse_as_dense": self.sparse_as_dense,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "bytes_per_pack": self.bytes_per_pack,
+            "pack_below": self.pack_below,
             "shard_collective": self.shard_collective,
         }
 

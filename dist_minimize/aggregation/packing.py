@@ -30,18 +30,22 @@ class PackSpec:
     sizes: tuple
 
 
-def pack(tensors: Sequence[tf.Tensor], bytes_per_pack: int) -> tuple[List[tf.Tensor], PackSpec]:
+def pack(tensors: Sequence[tf.Tensor], bytes_per_pack: int,
+         alone_from: int | None = None) -> tuple[List[tf.Tensor], PackSpec]:
     """Concatenates `tensors` (dense) into flat buffers of one dtype and at most
     `bytes_per_pack` bytes each.
 
     Tensors keep their order inside a buffer; buffers are made in the order of their
     first tensor, so every process with the same tensor shapes and dtypes builds the
-    same buffers. A tensor of `bytes_per_pack` bytes or more, or whose shape is not
-    fully known, is its own buffer, unchanged. `bytes_per_pack=0` packs nothing.
+    same buffers. A tensor of `bytes_per_pack` bytes or more (or of `alone_from` bytes
+    or more), or whose shape is not fully known, is its own buffer, unchanged.
+    `bytes_per_pack=0` packs nothing.
 
     Args:
       tensors: dense tensors (no `None`, no `IndexedSlices`).
       bytes_per_pack: the largest buffer, in bytes; 0 turns packing off.
+      alone_from: if given, a tensor of this many bytes or more is not packed (its
+        collective's per-tensor cost is small beside the copy packing would make).
 
     Returns:
       `(buffers, spec)`; `unpack(reduced_buffers, spec)` gives tensors shaped as the inputs.
@@ -54,10 +58,11 @@ def pack(tensors: Sequence[tf.Tensor], bytes_per_pack: int) -> tuple[List[tf.Ten
         sizes.append(shape.num_elements() if shape.is_fully_defined() else None)
     groups: list[list[int]] = []
     open_group: dict = {}  # dtype -> (group index, bytes so far)
+    limit = bytes_per_pack if alone_from is None else min(bytes_per_pack, alone_from)
     for i, t in enumerate(tensors):
         n = sizes[i]
         nbytes = None if n is None else n * t.dtype.size
-        if bytes_per_pack <= 0 or nbytes is None or nbytes >= bytes_per_pack:
+        if bytes_per_pack <= 0 or nbytes is None or nbytes >= limit:
             groups.append([i])
             continue
         current = open_group.get(t.dtype)

@@ -28,14 +28,16 @@ def test_predivide_factor_keeps_the_average(tmp_path_factory):
 
 
 def test_packed_and_unpacked_aggregation_agree(tmp_path_factory):
-    """The default aggregator packs every gradient into one buffer; bytes_per_pack=0 sends
-    each alone, 64 bytes makes several buffers. Sum and mean act element by element, so
-    on 2 processes the three are bitwise equal, and each matches one device (clip never
-    fires, so a scale error shows)."""
+    """The default aggregator packs every gradient of this model into one buffer;
+    bytes_per_pack=0 sends each alone, 64 bytes makes several buffers, pack_below=100
+    sends the 160-byte kernel alone and packs the rest. Sum and mean act element by
+    element, so on 2 processes the four are bitwise equal, and each matches one device
+    (clip never fires, so a scale error shows)."""
     ref = jobs.horovod_reference("sgd-0.01", "callable", "never")
     for r in jobs.horovod("horovod-gloo", 2, "parity", tmp_path_factory):
         packed = r["sgd-0.01/callable/never"]["weights"]
         assert r["unpacked"]["weights"] == packed and r["pack64"]["weights"] == packed
+        assert r["pack_below"]["weights"] == packed
         assert P.max_abs_diff(ref, arrays(packed)) <= 1e-6
 
 

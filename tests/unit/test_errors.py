@@ -123,6 +123,8 @@ CASES = [
      ValueError, ["`bytes_per_pack` must be an integer >= 0", "bytes_per_pack=-1"]),
     ("horovod bytes_per_pack not an integer", lambda: dm.aggregation.HorovodAggregator(bytes_per_pack=1.5e6),
      ValueError, ["`bytes_per_pack`", "bytes_per_pack=1500000.0"]),
+    ("horovod pack_below negative", lambda: dm.aggregation.HorovodAggregator(pack_below=-5),
+     ValueError, ["`pack_below` must be an integer >= 0", "pack_below=-5"]),
     ("horovod shard_collective unknown", lambda: dm.aggregation.HorovodAggregator(shard_collective="alltoall"),
      ValueError, ["`shard_collective`", "'reducescatter'", "shard_collective='alltoall'"]),
 ]

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 import dist_minimize as dm
 import parity_lib as P
+from conftest import requires_horovod
 
 
 def quadratic_problem():
@@ -419,6 +420,18 @@ def test_overflowing_global_norm_is_skipped_and_counted(use_function):
     assert int(opt.iterations.numpy()) == 1
     assert int(opt.skipped_steps.numpy()) == 1
     assert float(clip.stats()["nonfinite_steps"]) == 1.0
+
+
+@requires_horovod
+def test_horovod_aggregator_options_survive_config():
+    from dist_minimize.aggregation.horovod import DEFAULT_PACK_BELOW
+
+    agg = dm.aggregation.HorovodAggregator(reduction="sum", bytes_per_pack=4096, pack_below=512)
+    again = dm.aggregation.HorovodAggregator.from_config(agg.get_config())
+    assert (again.reduction, again.bytes_per_pack, again.pack_below) == ("sum", 4096, 512)
+    # A config written before `pack_below` existed loads with the default.
+    old = {k: v for k, v in agg.get_config().items() if k != "pack_below"}
+    assert dm.aggregation.HorovodAggregator.from_config(old).pack_below == DEFAULT_PACK_BELOW
 
 
 def test_strategy_aggregator_options_survive_config_and_keras_file(tmp_path):

@@ -54,6 +54,22 @@ def test_a_lone_tensor_is_not_copied_and_zero_packs_nothing():
     assert buffers[0] is big
 
 
+def test_a_tensor_of_alone_from_bytes_or_more_is_not_packed():
+    """The aggregator's `pack_below`: large tensors go as they are (no copy), the small
+    ones around them are packed; the reduced values are the same either way."""
+    g = grads(0)  # float32: 48, 16, 4, 48, 16 bytes; float16: 16, 42; float64: 40
+    buffers, spec = packing.pack(g, 1 << 20, alone_from=48)
+    assert spec.groups == ((0,), (1, 2, 6), (3,), (4, 7), (5,))
+    assert buffers[0] is g[0] and buffers[2] is g[3]
+    b = grads(1)
+    out = packing.unpack([x + y for x, y in zip(buffers, packing.pack(b, 1 << 20, alone_from=48)[0])], spec)
+    for got, x, y in zip(out, g, b):
+        np.testing.assert_array_equal(got.numpy(), (x + y).numpy())
+    # the smaller of the two bounds holds: a 100-byte alone_from under 24-byte buffers
+    assert packing.pack(g, 24, alone_from=100)[1] == packing.pack(g, 24)[1]
+    assert packing.pack(g, 1 << 20, alone_from=0)[1].groups == tuple((i,) for i in range(len(g)))
+
+
 def test_an_unknown_shape_travels_alone():
     seen = {}
 

@@ -220,9 +220,11 @@ if scenario == "parity":
     w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
                       loss_denominator=local, aggregate=pre)
     results["predivide"] = {"weights": lists(w)}
-    # Packing: off, and in buffers of 64 bytes (several per step); the default packs all.
-    for label, limit in (("unpacked", 0), ("pack64", 64)):
-        agg = dm.aggregation.HorovodAggregator(bytes_per_pack=limit)
+    # Packing: off, in buffers of 64 bytes (several per step), and the 160-byte kernel sent
+    # alone beside the packed rest (pack_below); the default packs all.
+    for label, options in (("unpacked", {"bytes_per_pack": 0}), ("pack64", {"bytes_per_pack": 64}),
+                           ("pack_below", {"pack_below": 100})):
+        agg = dm.aggregation.HorovodAggregator(**options)
         w, _, _ = P.train(default, "sgd-0.01", "callable", dataset=P.local_dataset(rank, size), clip="never",
                           loss_denominator=local, aggregate=agg)
         results[label] = {"weights": lists(w)}
