@@ -59,8 +59,8 @@ def ranks_of(run, np_, tmp_path_factory):
 
 
 CASES = [run_param(run, np_, case, marks=ONCE if run == "multiworker" else ())
-         for run, np_ in (("horovod-gloo", 2), ("horovod-gloo", 4), ("horovod-mpi", 2), ("multiworker", 2))
-         for case in P.SHARD_CASES] + [run_param(run, 2, case, marks=ONCE if run == "multiworker" else ())
+         for run, np_ in (("horovod-gloo", 2), ("multiworker", 2)) for case in P.SHARD_CASES] \
+    + [run_param(run, np_, case) for run, np_ in (("horovod-gloo", 4), ("horovod-mpi", 2)) for case in P.SHARD_FEW_CASES] + [run_param(run, 2, case, marks=ONCE if run == "multiworker" else ())
                                        for run in ("horovod-gloo", "multiworker") for case in P.SHARD_MORE_CASES] \
     + [run_param("multiworker", 2, case, marks=ONCE) for case in P.SHARD_MW_CASES]
 

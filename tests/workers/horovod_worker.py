@@ -8,9 +8,9 @@ Usage: horovod_worker.py OUT_DIR SCENARIO
                    mpi4py/Horovod library check
   three    (np=3, MPI)  Adasum refused on 3 processes; a process set built from an mpi4py
                    communicator (ranks 0, 1) trains with parity while rank 2 stays out
-  sharded  (np=2, 4)  each case of parity_lib.SHARD_CASES unsharded and with
+  sharded  (np=2, 4)  each case of parity_lib.SHARD_FEW_CASES unsharded and with
                    shard_optimizer_state=True; an inf on one rank skipped by every rank
-  sharded_more  the same, and the cases of parity_lib.SHARD_MORE_CASES
+  sharded_more  (np=2) the same for parity_lib.SHARD_CASES and SHARD_MORE_CASES
 Each rank writes OUT_DIR/rank{R}.json.
 """
 
@@ -303,7 +303,7 @@ elif scenario in ("sharded", "sharded_more"):
     collective = "reducescatter" if size == 4 or "OMPI_COMM_WORLD_RANK" in os.environ else "auto"
     backend = dm.aggregation.HorovodAggregator(shard_collective=collective)
     results["shard_collective"] = backend.collective_for_shards()
-    for case in P.SHARD_CASES + (P.SHARD_MORE_CASES if scenario == "sharded_more" else []):
+    for case in (P.SHARD_CASES + P.SHARD_MORE_CASES) if scenario == "sharded_more" else P.SHARD_FEW_CASES:
         opt_name, mode, clip, *wrap = case.split("/")
         runs = {}
         wrapper = P.SHARD_WRAPS.get(wrap[0], wrap[0]) if wrap else None  # or a name P.train knows
