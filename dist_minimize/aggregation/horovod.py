@@ -20,8 +20,7 @@ _SHARD_COLLECTIVES = ("auto", "reducescatter", "allreduce")
 # what one packed buffer holds.
 DEFAULT_BYTES_PER_PACK = 64 * 1024 * 1024
 # Gradients under this size are packed; larger ones go to the grouped allreduce as they
-# are (measured on 2 Gloo processes, CPUs: packing 256 KiB and 64 KiB kernels cost 5-9%
-# of the step, packing 4 KiB ones saved 8%; benchmarks/RESULTS.md section 2).
+# are (why 32 KiB, measured on 2 Gloo processes: docs/backends.md, "Packing").
 DEFAULT_PACK_BELOW = 32 * 1024
 
 
