@@ -193,7 +193,6 @@ def _state(ranks) -> dict:
 @pytest.mark.parametrize("saved_on,resumed_on,run", [
     pytest.param(2, 2, "horovod", marks=requires_horovod, id="2-to-2"),
     pytest.param(2, 4, "horovod", marks=requires_horovod, id="2-to-4"),
-    pytest.param(4, 2, "horovod", marks=requires_horovod, id="4-to-2"),
     pytest.param(2, 1, "horovod", marks=requires_horovod, id="2-to-1-unsharded"),
     pytest.param(2, 2, "multiworker", marks=ONCE, id="multiworker-2-to-2"),
     pytest.param(2, 1, "multiworker", marks=ONCE, id="multiworker-2-to-1-unsharded")])
