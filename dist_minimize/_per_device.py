@@ -35,18 +35,24 @@ def on_device(index: int, inputs: tuple | None = None):
 class PerDeviceUpdate:
     """The device-by-device guarded update (see the module docstring)."""
 
-    def _update_device_by_device(self, condition: tf.Tensor, grads_and_vars: list, pending: list) -> None:
+    def _update_device_by_device(self, condition: tf.Tensor, grads_and_vars: list, pending: list,
+                                 scaled: tuple | None = None) -> None:
         """The guarded update made device by device: under a merge-call strategy one `If`
         per device (`distribute.run_if_per_device`), each writing that device's copies;
         elsewhere (one device, each Horovod process) `run_if`'s one `If`, on device 0.
         The rule's step counter and learning rate are read before the branch
-        (`_compat.keras_update_inputs`), so that only gradient work waits for it."""
+        (`_compat.keras_update_inputs`), so that only gradient work waits for it.
+        `scaled`: `distribute.known_scaled` of the gradients, read within the step: the
+        unscaled gradients and their factor, the products then made in the branch."""
         variables = [v for _, v in grads_and_vars]
         rule = self.stack()[-1].inner_optimizer
         _compat.check_variables_are_known(rule, variables)
         grads, inputs = [g for g, _ in grads_and_vars], _compat.keras_update_inputs(rule)
+        grads, factor = scaled or (grads, None)  # (`distribute.scale`: the same op, the same values)
 
-        def apply_on(index, grads, inputs):
+        def apply_on(index, grads, inputs, factor):
+            if factor is not None:
+                grads = [None if g is None else distribute.scale(g, factor) for g in grads]
             with on_device(index, inputs):
                 self._apply_and_notify(list(zip(grads, variables)))
 
@@ -55,10 +61,10 @@ class PerDeviceUpdate:
                 self._notify_skipped()
 
         if distribute.uses_merge_call():
-            distribute.run_if_per_device(condition, apply_on, args=(grads, inputs), otherwise=skip_on,
+            distribute.run_if_per_device(condition, apply_on, args=(grads, inputs, factor), otherwise=skip_on,
                                          updates=pending)
         else:
-            distribute.run_if(condition, lambda grads, inputs: apply_on(0, grads, inputs), args=(grads, inputs),
+            distribute.run_if(condition, lambda *args: apply_on(0, *args), args=(grads, inputs, factor),
                               otherwise=lambda: skip_on(0), updates=pending)
 
     def _per_device_ok(self, grads_and_vars: list) -> bool:

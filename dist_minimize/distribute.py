@@ -163,7 +163,7 @@ def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation 
 
 class _Pending(threading.local):
     updates: list | None = None
-    finite: dict | None = None
+    finite: dict | None = None  # _finite_key(grads) -> (all finite, grads); ("scaled", *key) -> note_scaled's
 
 
 _PENDING = _Pending()
@@ -222,6 +222,29 @@ def known_all_finite(grads) -> tf.Tensor | None:
         return None
     entry = _PENDING.finite.get(_finite_key(grads))
     return entry[0] if entry is not None else None
+
+
+def scale(g: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
+    """`g * factor` in `g`'s dtype: how a transform that scales every gradient by one
+    scalar (the global-norm clipper) makes each product, wherever it is made."""
+    return g * tf.cast(factor, g.dtype)
+
+
+def note_scaled(outputs, inputs, factor: tf.Tensor) -> None:
+    """Records, for the rest of this step, that each dense tensor of `outputs` is
+    `scale(inputs[i], factor)`: the guarded update, handed exactly `outputs`, makes the
+    products in its branch instead (docs/writing-a-wrapper.md says why). Only within a
+    dist_minimize step."""
+    if _PENDING.finite is not None and all(isinstance(g, tf.Tensor) for g in outputs if g is not None):
+        _PENDING.finite[("scaled", *_finite_key(outputs))] = (list(inputs), factor, list(outputs))
+
+
+def known_scaled(grads) -> tuple | None:
+    """`(inputs, factor)` that `note_scaled` recorded for exactly these tensors in this step, or None."""
+    if _PENDING.finite is None:
+        return None
+    entry = _PENDING.finite.get(("scaled", *_finite_key(grads)))
+    return entry[:2] if entry is not None else None
 
 
 def assign_replicated(variable, value) -> None:

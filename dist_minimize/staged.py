@@ -259,6 +259,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
                     "aggregate_gradients", _shards.share(grads_and_vars), aggregated)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
             condition = top.update_condition(grads_and_vars)
+            scaled = distribute.known_scaled([g for g, _ in grads_and_vars])  # (noted within this step only)
         # The transforms' statistics and counters (`assign_replicated`) are made in the
         # same cross-replica step as the update decision: one synchronisation per step.
         if condition is None:
@@ -266,7 +267,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             top._apply_and_notify(grads_and_vars)
             return
         if top._per_device_ok(grads_and_vars):
-            top._update_device_by_device(condition, grads_and_vars, pending)
+            top._update_device_by_device(condition, grads_and_vars, pending, scaled)
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
                               otherwise=top._notify_skipped, updates=pending)

@@ -206,13 +206,12 @@ class ClipByGlobalNorm(_Bound, GradientTransform):
         if self._state is not None:
             self._record(norm, clip, finite)
 
-        def scale(g):
-            return g * tf.cast(factor, g.dtype)
-
-        out = [(map_gradient(g, scale), v) for g, v in grads_and_vars]
+        out = [(map_gradient(g, lambda t: distribute.scale(t, factor)), v) for g, v in grads_and_vars]
         # Finite norm <=> every scaled element finite (a non-finite norm gives a NaN
-        # factor): the guard need not scan the gradients again.
+        # factor): the guard need not scan the gradients again; and it may make the
+        # products inside its branch.
         distribute.note_all_finite([g for g, _ in out], finite)
+        distribute.note_scaled([g for g, _ in out], grads, factor)
         return out
 
     def _record(self, norm, clip, finite):

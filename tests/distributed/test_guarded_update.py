@@ -317,3 +317,53 @@ def test_the_rule_reads_its_step_counter_before_the_branch(where):
     for v, r in zip(vs, ref_vars):
         for copy in s.experimental_local_results(v):
             np.testing.assert_allclose(copy.numpy(), r.numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["mirrored", "one_device"])
+def test_the_clippers_products_are_made_in_the_branch(where, monkeypatch):
+    """The global-norm clipper scales every gradient by one factor; the guard's `If`
+    takes the unscaled gradients and that factor, and makes the products in its branch
+    (`distribute.note_scaled`), where they interleave with the variables' updates instead
+    of all finishing before the first starts. The same ops: weights bit for bit those of
+    the products made before the branch, and Keras's Adam on the summed, clipped gradient."""
+    s = strategy() if where == "mirrored" else tf.distribute.get_strategy()
+    grads = [tf.constant([3.0, -4.0]), tf.constant([12.0])]  # norm 13 (x replicas): clipped
+
+    def train(products_before: bool):
+        with s.scope():
+            vs = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
+            opt = dm.Optimizer(keras.optimizers.Adam(0.1), transform_gradients=dm.clip_by_global_norm(1.0))
+            opt.build(vs)
+
+        @tf.function
+        def step():
+            s.run(lambda: opt.apply_gradients(zip(grads, vs)))
+
+        with monkeypatch.context() as m:
+            if products_before:
+                m.setattr(dm.distribute, "known_scaled", lambda grads: None)
+            graph = step.get_concrete_function().graph
+        ifs = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+        assert len(ifs) == s.num_replicas_in_sync, ifs
+        # the gradient-shaped inputs of each If: the clipper's products, or what they scale
+        made = [sorted(t.op.type for t in op.inputs[1:] if t.dtype == tf.float32 and t.shape.rank == 1)
+                for op in ifs]
+        for _ in range(3):
+            step()
+        return made, [[c.numpy() for c in s.experimental_local_results(v)] for v in vs]
+
+    made_in, weights_in = train(products_before=False)
+    made_before, weights_before = train(products_before=True)
+    assert all(types.count("Mul") == len(grads) for types in made_before), made_before
+    assert all("Mul" not in types and len(types) >= len(grads) for types in made_in), made_in
+    for copies_in, copies_before in zip(weights_in, weights_before):
+        for a, b in zip(copies_in, copies_before):
+            assert np.array_equal(a, b), (a, b)
+    ref_vars = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
+    ref = keras.optimizers.Adam(0.1)
+    clipped, _ = tf.clip_by_global_norm([g * s.num_replicas_in_sync for g in grads], 1.0)
+    for _ in range(3):
+        ref.apply_gradients(zip(clipped, ref_vars))
+    for copies, r in zip(weights_in, ref_vars):
+        for copy in copies:
+            np.testing.assert_allclose(copy, r.numpy(), rtol=1e-6)

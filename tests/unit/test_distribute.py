@@ -141,6 +141,21 @@ def test_note_and_known_all_finite_hold_within_one_step_only():
     assert distribute.known_all_finite(grads) is None
 
 
+def test_note_and_known_scaled_hold_within_one_step_for_dense_tensors_only():
+    inputs = [tf.constant([1.0, 2.0]), None, tf.constant([4.0])]
+    factor = tf.constant(0.5)
+    outputs = [None if g is None else distribute.scale(g, factor) for g in inputs]
+    with distribute.deferred_updates():
+        distribute.note_scaled(outputs, inputs, factor)
+        got, f = distribute.known_scaled(outputs)
+        assert got[0] is inputs[0] and got[1] is None and got[2] is inputs[2] and f is factor
+        assert [distribute.scale(g, f).numpy().tolist() for g in (got[0], got[2])] == [[0.5, 1.0], [2.0]]
+        assert distribute.known_scaled(inputs) is None  # other tensors
+        sparse = [tf.IndexedSlices(tf.constant([1.0]), tf.constant([0]), tf.constant([2]))]
+        distribute.note_scaled(sparse, sparse, factor)
+        assert distribute.known_scaled(sparse) is None  # only dense products are made elsewhere
+    assert distribute.known_scaled(outputs) is None
+
 def test_check_agreed_fails_when_replicas_disagree():
     s = mirrored_strategy()
 
