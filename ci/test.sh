@@ -6,7 +6,8 @@
 #      not build against TF >= 2.19; its tests skip there, saying so), every test not
 #      marked default_profile_only (launcher, supervision, restarts, repository tooling,
 #      4-replica MirroredStrategy cases: tests/conftest.py says why).
-# Unit tests run in one process; MirroredStrategy on logical CPU devices;
+# Unit tests run in two pytest-xdist worker processes (tests/unit), the rest in one;
+# MirroredStrategy on logical CPU devices;
 # MultiWorkerMirroredStrategy workers and horovodrun/mpirun jobs as local processes on
 # 127.0.0.1 (each multi-process test starts, bounds and kills its own processes).
 # Both profiles run even when the first fails; each one's pytest summary is printed at
@@ -41,11 +42,24 @@ for profile in $profiles; do
   setup_s=$((SECONDS - start))
   only_once=()
   [[ "$profile" == default ]] || only_once=(-m "not default_profile_only")
-  DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra "${only_once[@]}" "$@" 2>&1 | tee "$LOGS/$profile.log"
-  rc=${PIPESTATUS[0]}
+  # The unit tests (one process each, starting nothing) on both cores (pytest-xdist),
+  # then the rest one at a time (their jobs use both cores themselves). Arguments naming
+  # tests (not only options) run as given, in one pytest.
+  parts=("tests/unit -n 2" "tests --ignore=tests/unit")
+  for arg in "$@"; do [[ "$arg" == -* ]] || { parts=(""); break; }; done
+  rc=0
+  : > "$LOGS/$profile.log"
+  for part in "${parts[@]}"; do
+    # shellcheck disable=SC2086
+    DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra "${only_once[@]}" $part "$@" 2>&1 \
+      | tee -a "$LOGS/$profile.log"
+    part_rc=${PIPESTATUS[0]}
+    # (5: nothing collected in a part, e.g. options deselecting it all)
+    ((part_rc == 0 || part_rc == 5)) || rc=$part_rc
+  done
   ((rc == 0)) || status=1
   summary=$(grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$LOGS/$profile.log" \
-            | tail -1 | sed -E 's/^=+ //; s/ =+$//')
+            | sed -E 's/^=+ //; s/ =+$//' | paste -sd ';' | sed 's/;/; /g')
   summaries+=("[test] profile $profile: ${summary:-no pytest summary} (exit $rc; set-up ${setup_s} s, tests $((SECONDS - start - setup_s)) s)")
 done
 printf '%s\n' "${summaries[@]}"
