@@ -309,14 +309,20 @@ def test_the_rule_reads_its_step_counter_before_the_branch(where):
     assert uses and all(u == ["AssignAddVariableOp"] for u in uses), uses
     for _ in range(3):
         step()
+    for v, r in zip(vs, keras_adam_reference(s, grads)):
+        for copy in s.experimental_local_results(v):
+            np.testing.assert_allclose(copy.numpy(), r, rtol=1e-6)
+
+
+def keras_adam_reference(s, grads, steps: int = 3) -> list:
+    """Keras's Adam(0.1) on one device from [1, 2], [3], `steps` times on the gradient summed
+    over `s`'s replicas and clipped to global norm 1: the weights, as arrays."""
     ref_vars = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
     ref = keras.optimizers.Adam(0.1)
     clipped, _ = tf.clip_by_global_norm([g * s.num_replicas_in_sync for g in grads], 1.0)
-    for _ in range(3):
+    for _ in range(steps):
         ref.apply_gradients(zip(clipped, ref_vars))
-    for v, r in zip(vs, ref_vars):
-        for copy in s.experimental_local_results(v):
-            np.testing.assert_allclose(copy.numpy(), r.numpy(), rtol=1e-6)
+    return [v.numpy() for v in ref_vars]
 
 
 @pytest.mark.parametrize("where", ["mirrored", "one_device"])
@@ -359,11 +365,6 @@ def test_the_clippers_products_are_made_in_the_branch(where, monkeypatch):
     for copies_in, copies_before in zip(weights_in, weights_before):
         for a, b in zip(copies_in, copies_before):
             assert np.array_equal(a, b), (a, b)
-    ref_vars = [tf.Variable([1.0, 2.0]), tf.Variable([3.0])]
-    ref = keras.optimizers.Adam(0.1)
-    clipped, _ = tf.clip_by_global_norm([g * s.num_replicas_in_sync for g in grads], 1.0)
-    for _ in range(3):
-        ref.apply_gradients(zip(clipped, ref_vars))
-    for copies, r in zip(weights_in, ref_vars):
+    for copies, r in zip(weights_in, keras_adam_reference(s, grads)):
         for copy in copies:
-            np.testing.assert_allclose(copy, r.numpy(), rtol=1e-6)
+            np.testing.assert_allclose(copy, r, rtol=1e-6)
