@@ -77,6 +77,7 @@ def _keras_setting_property(setting: str) -> property:
 class KerasSurface:
     """Keras's optimizer surface on a dist_minimize optimizer (see the module docstring)."""
 
+    @tf.autograph.experimental.do_not_convert  # as `apply_gradients`
     def apply(self, grads, trainable_variables=None):
         """Keras's `apply(grads, trainable_variables)`: same as `apply_gradients`."""
         grads = list(grads)

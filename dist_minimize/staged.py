@@ -46,6 +46,13 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
     iteration counter changes, on every replica alike (the decision is made on
     aggregated gradients, identical everywhere). Skipped steps are counted in
     `skipped_steps`.
+
+    No AutoGraph: `minimize`, `apply_gradients` and `apply` run every stage as plain
+    Python while a `tf.function` traces them, as Keras's own `fit` runs its train step
+    (`tf.autograph.experimental.do_not_convert`). A stage, a hook or a callable given to
+    them branches on a tensor with `tf.cond` or `dist_minimize.distribute.run_if`, not
+    with a Python `if`. Converted, the package's own Python (its checks, its walks of
+    the traced graph) took most of a first step's time.
     """
 
     # -- the six stages ----------------------------------------------------------------
@@ -115,6 +122,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
     #: stack, and raises `AggregationError` beyond.
     extra_aggregations: int = 0
 
+    @tf.autograph.experimental.do_not_convert  # (see the class docstring: no AutoGraph)
     def minimize(self, loss: tf.Tensor | Callable[[], tf.Tensor], variables: Sequence[tf.Variable],
                  tape: tf.GradientTape | None = None, decay_var_list: Sequence | None = None,
                  loss_fn: Callable[[], tf.Tensor] | None = None) -> tf.Variable:
@@ -165,6 +173,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
     def _aggregations_allowed(self) -> int:
         return 1 + sum(int(opt.extra_aggregations) for opt in self.stack())
 
+    @tf.autograph.experimental.do_not_convert  # (see the class docstring: no AutoGraph)
     def apply_gradients(self, grads_and_vars: Iterable, aggregate: bool = True,
                         decay_var_list: Sequence | None = None) -> tf.Variable:
         """Runs the last four stages on per-replica gradients.
