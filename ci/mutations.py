@@ -604,6 +604,22 @@ MUTATIONS = [
              "    for attempt in range(max_restarts + 1):\n",
              "    for attempt in range(1):\n",
              ["tests/unit/test_launcher_restarts.py::test_max_restarts_starts_the_whole_job_again"]),
+    Mutation("all-reduce-hook-kept", "the wrapper of ReplicaContextBase.all_reduce stays after dist_minimize's step",
+             "dist_minimize/_compat/__init__.py",
+             '                if base.__dict__.get("all_reduce") is _Hearing.wrapper:',
+             "                if False:",
+             ["tests/unit/test_isolation.py::test_a_dist_minimize_step_changes_no_tensorflow_or_keras_attribute_and_no_stock_result",
+              "tests/unit/test_compat_canaries.py::test_every_replica_context_all_reduce_is_heard_inside_and_tensorflow_is_unchanged_outside"]),
+    Mutation("minimize-autograph", "minimize is converted by AutoGraph (its stages' Python with it)",
+             "dist_minimize/staged.py",
+             "    @tf.autograph.experimental.do_not_convert  # (see the class docstring: no AutoGraph)\n    def minimize(",
+             "    def minimize(",
+             ["tests/unit/test_protocol.py::test_the_stages_run_as_python_while_traced_without_autograph"]),
+    Mutation("apply-gradients-autograph", "apply_gradients is converted by AutoGraph (its stages' Python with it)",
+             "dist_minimize/staged.py",
+             "    @tf.autograph.experimental.do_not_convert  # (see the class docstring: no AutoGraph)\n    def apply_gradients(",
+             "    def apply_gradients(",
+             ["tests/unit/test_protocol.py::test_the_stages_run_as_python_while_traced_without_autograph"]),
 ]
 
 

@@ -10,6 +10,8 @@ from typing import Iterator
 
 import tensorflow as tf
 
+from dist_minimize import _compat
+
 # Horovod's collective ops (op types in a traced graph).
 HOROVOD_COLLECTIVES = frozenset((
     "HorovodAllreduce", "HorovodGroupedAllreduce", "HorovodAllgather", "HorovodGroupedAllgather",
@@ -70,14 +72,16 @@ def record(event: str) -> None:
 
 @contextlib.contextmanager
 def zone(what: str, plan: int | None, forbid: bool, fix: str = "") -> Iterator[Zone]:
-    """A zone for the code inside (in graph mode, Horovod collective ops it creates in the
-    current graph are recorded when it ends)."""
+    """A zone for the code inside: tf.distribute all-reduces are heard while it runs
+    (`_compat.hearing_all_reduce`), and in graph mode the Horovod collective ops it
+    created in the current graph are recorded when it ends."""
     entered = Zone(what, plan, forbid, fix)
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     first = len(graph.get_operations()) if graph is not None else 0
     STATE.zones.append(entered)
     try:
-        yield entered
+        with _compat.hearing_all_reduce():
+            yield entered
     finally:
         STATE.zones.pop()
     if graph is not None and graph is tf.compat.v1.get_default_graph():

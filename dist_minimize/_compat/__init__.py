@@ -7,7 +7,9 @@ message that says what to do, instead of deep inside a training step.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
 from typing import Any
 
 import keras
@@ -81,36 +83,60 @@ _ALL_REDUCE_LISTENERS: list = []
 
 
 def listen_to_all_reduce(listener) -> None:
-    """Calls `listener(replica_context, value)` before every
-    `tf.distribute.ReplicaContext.all_reduce` in this process (installed once).
+    """Registers `listener(replica_context, value)`, called before every
+    `tf.distribute.ReplicaContext.all_reduce` made while some thread is inside
+    `hearing_all_reduce()`. Changes nothing in TensorFlow by itself."""
+    if listener not in _ALL_REDUCE_LISTENERS:
+        _ALL_REDUCE_LISTENERS.append(listener)
 
-    `all_reduce` is defined on TensorFlow's `ReplicaContextBase` (`distribute_lib`,
-    private) and inherited by every strategy's replica context; it is wrapped there, so
-    the call itself is unchanged. `dist_minimize.aggregation.once` uses it to see a
-    collective made where none may run.
+
+class _Hearing:
+    """How many threads are inside `hearing_all_reduce`, and what it replaced."""
+
+    lock = threading.Lock()
+    inside = 0
+    original = None
+    wrapper = None
+
+
+@contextlib.contextmanager
+def hearing_all_reduce():
+    """While any thread is inside: TensorFlow's `ReplicaContextBase.all_reduce`
+    (`distribute_lib`, private; inherited by every strategy's replica context) calls the
+    registered listeners first, then reduces as before. The first thread in wraps it,
+    the last one out puts back what was there, so outside dist_minimize's own step
+    TensorFlow is unchanged. `dist_minimize.aggregation.once` hears with it a collective
+    made where none may run.
     """
     from tensorflow.python.distribute import distribute_lib
 
     base = distribute_lib.ReplicaContextBase
-    original = base.__dict__.get("all_reduce")
-    if original is None:
-        raise RuntimeError(
-            f"This TensorFlow ({tf.__version__}) has no ReplicaContextBase.all_reduce; dist_minimize "
-            "cannot check that a step aggregates once. Supported: TensorFlow 2.16-2.21.")
-    if listener not in _ALL_REDUCE_LISTENERS:
-        _ALL_REDUCE_LISTENERS.append(listener)
-    if getattr(original, "_dm_listened", False):
-        return
+    with _Hearing.lock:
+        if _Hearing.inside == 0:
+            original = base.__dict__.get("all_reduce")
+            if original is None:
+                raise RuntimeError(
+                    f"This TensorFlow ({tf.__version__}) has no ReplicaContextBase.all_reduce; dist_minimize "
+                    "cannot check that a step aggregates once. Supported: TensorFlow 2.16-2.21.")
 
-    def all_reduce(self, reduce_op, value, options=None):
-        for heard in _ALL_REDUCE_LISTENERS:
-            heard(self, value)
-        return original(self, reduce_op, value, options)
+            def all_reduce(self, reduce_op, value, options=None):
+                for heard in _ALL_REDUCE_LISTENERS:
+                    heard(self, value)
+                return original(self, reduce_op, value, options)
 
-    all_reduce.__doc__ = original.__doc__
-    all_reduce.__wrapped__ = original
-    all_reduce._dm_listened = True
-    base.all_reduce = all_reduce
+            all_reduce.__doc__, all_reduce.__wrapped__ = original.__doc__, original
+            _Hearing.original, _Hearing.wrapper = original, all_reduce
+            base.all_reduce = all_reduce
+        _Hearing.inside += 1
+    try:
+        yield
+    finally:
+        with _Hearing.lock:
+            _Hearing.inside -= 1
+            if _Hearing.inside == 0:
+                if base.__dict__.get("all_reduce") is _Hearing.wrapper:  # (unless someone replaced it since)
+                    base.all_reduce = _Hearing.original
+                _Hearing.original = _Hearing.wrapper = None
 
 
 _LOCAL_VARIABLE_ARGS = ("initial_value", "trainable", "name", "dtype", "shape", "constraint")

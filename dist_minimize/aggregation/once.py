@@ -24,8 +24,9 @@ update rule that calls a collective itself) is caught the first time the step is
 * `step()` / `note_aggregation(what)`: `aggregate_gradients` runs once per step.
 
 Collectives are seen at two places: every `tf.distribute.ReplicaContext.all_reduce`
-call (through `_compat.listen_to_all_reduce`; one call is one collective, however many
-tensors it batches), and, in graph mode, every Horovod collective op created in the
+call made inside a zone (`_compat.hearing_all_reduce`, entered by each zone and left
+with it: outside dist_minimize's own step TensorFlow is unchanged; one call is one
+collective, however many tensors it batches), and, in graph mode, every Horovod collective op created in the
 graph being traced. A one-replica all-reduce reduces nothing and is not counted.
 """
 

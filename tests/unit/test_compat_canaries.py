@@ -35,41 +35,43 @@ def test_keras_tf_optimizer_all_reduces_through_all_reduce_sum_gradients():
     assert other._all_reduce_sum_gradients is not opt._all_reduce_sum_gradients
 
 
-def test_every_replica_context_all_reduce_is_heard():
-    """`listen_to_all_reduce` wraps TensorFlow's `ReplicaContextBase.all_reduce`: every
-    strategy's replica context must inherit it (MirroredStrategy's, in a traced step and
-    eagerly), and the call must still reduce."""
+def test_every_replica_context_all_reduce_is_heard_inside_and_tensorflow_is_unchanged_outside():
+    """`hearing_all_reduce` wraps TensorFlow's `ReplicaContextBase.all_reduce` while some
+    thread is inside: every strategy's replica context must inherit it (MirroredStrategy's,
+    in a traced step and eagerly), the call must still reduce, and once the last thread
+    is out the class holds what it held before."""
+    from tensorflow.python.distribute import distribute_lib
+
+    from conftest import mirrored_strategy
+
     heard = []
 
     def listener(ctx, value):
         heard.append(ctx.num_replicas_in_sync)
 
-    _compat.listen_to_all_reduce(listener)
-    try:
-        check_heard(heard)
-    finally:
-        _compat._ALL_REDUCE_LISTENERS.remove(listener)
-
-
-def check_heard(heard):
-    from tensorflow.python.distribute import distribute_lib
-
-    from conftest import mirrored_strategy
-
-    assert getattr(distribute_lib.ReplicaContextBase.all_reduce, "_dm_listened", False)
-    for context_class in (tf.distribute.ReplicaContext,
-                          type(tf.distribute.get_replica_context())):
-        assert context_class.all_reduce is distribute_lib.ReplicaContextBase.all_reduce
+    before = distribute_lib.ReplicaContextBase.__dict__["all_reduce"]
     s = mirrored_strategy()
 
     def step():
         return s.run(lambda: tf.distribute.get_replica_context().all_reduce("SUM", tf.constant(1.0)))
 
-    for fn in (step, tf.function(step)):
+    _compat.listen_to_all_reduce(listener)
+    try:
+        for fn in (step, tf.function(step)):
+            heard.clear()
+            with _compat.hearing_all_reduce(), _compat.hearing_all_reduce():  # (nested: one wrapper)
+                assert distribute_lib.ReplicaContextBase.all_reduce.__wrapped__ is before
+                for context_class in (tf.distribute.ReplicaContext, type(tf.distribute.get_replica_context())):
+                    assert context_class.all_reduce is distribute_lib.ReplicaContextBase.all_reduce
+                out = s.experimental_local_results(fn())
+            assert [float(o) for o in out] == [2.0, 2.0]
+            assert heard == [2, 2]
+            assert distribute_lib.ReplicaContextBase.__dict__["all_reduce"] is before
         heard.clear()
-        out = s.experimental_local_results(fn())
-        assert [float(o) for o in out] == [2.0, 2.0]
-        assert heard == [2, 2]
+        s.experimental_local_results(tf.function(step)())
+        assert heard == []
+    finally:
+        _compat._ALL_REDUCE_LISTENERS.remove(listener)
 
 
 def test_a_variable_made_by_the_traced_function_is_not_initialized_outside_it():

@@ -265,3 +265,42 @@ def test_the_finite_check_is_not_computed_twice():
     assert clipped == 1  # the clipper's check of the norm
     limited = dm.Optimizer(sgd(), transform_gradients=[dm.limit_nonfinite_steps(3)])
     assert is_finite_ops(limited) == 10  # the limit's scan is the guard's
+
+
+class BranchesInPython(dm.OptimizerWrapper):
+    """Stages that branch on a tensor with a Python `if` (what AutoGraph would convert):
+    `transform_loss` (run by `minimize` only) and `transform_gradients`."""
+
+    def __init__(self, inner, stage):
+        super().__init__(inner)
+        self.stage = stage
+
+    def transform_loss(self, loss):
+        if self.stage == "transform_loss" and loss > 0:
+            loss = 2.0 * loss
+        return super().transform_loss(loss)
+
+    def transform_gradients(self, grads_and_vars):
+        if self.stage == "transform_gradients" and tf.reduce_sum(grads_and_vars[0][0]) > 0:
+            grads_and_vars = [(2.0 * g, v) for g, v in grads_and_vars]
+        return super().transform_gradients(grads_and_vars)
+
+
+@pytest.mark.parametrize("driver, stage", [("minimize", "transform_loss"), ("apply_gradients", "transform_gradients")])
+def test_the_stages_run_as_python_while_traced_without_autograph(driver, stage):
+    """The step's drivers run their stages unconverted, as Keras's `fit` runs its train
+    step: a Python `if` on a tensor in a stage is TensorFlow's graph-mode error (use
+    `tf.cond`), and the same stage runs eagerly."""
+    w = tf.Variable([1.0, 2.0])
+    opt = BranchesInPython(dm.Optimizer(keras.optimizers.SGD(0.1)), stage)
+
+    def step():
+        if driver == "minimize":
+            opt.minimize(lambda: tf.reduce_sum(w * w), [w])
+        else:
+            opt.apply_gradients([(2.0 * tf.convert_to_tensor(w), w)])
+
+    step()  # eagerly: the `if` is a Python bool of a concrete tensor
+    np.testing.assert_allclose(w.numpy(), [1.0 - 0.4, 2.0 - 0.8])
+    with pytest.raises(tf.errors.OperatorNotAllowedInGraphError, match="AutoGraph"):
+        tf.function(step)()
