@@ -620,6 +620,11 @@ MUTATIONS = [
              "    @tf.autograph.experimental.do_not_convert  # (see the class docstring: no AutoGraph)\n    def apply_gradients(",
              "    def apply_gradients(",
              ["tests/unit/test_protocol.py::test_the_stages_run_as_python_while_traced_without_autograph"]),
+    Mutation("sharded-transform-unchecked", "an undeclared transform_gradients callable is taken with sharded state",
+             "dist_minimize/optimizer.py",
+             "            _sharding.check_transforms(list(gradient_fns) + list(translation.clippers))\n",
+             "            pass\n",
+             ["tests/unit/test_sharding.py::test_a_transform_that_does_not_declare_shards_state_is_refused_at_construction_naming_it"]),
 ]
 
 

@@ -165,6 +165,8 @@ class Optimizer(StagedOptimizer):
         if shard_optimizer_state:
             _sharding.check_backends(aggregating, aggregate_gradients)
         translation = _keras_settings.translate(inner, gradient_fns)
+        if shard_optimizer_state:
+            _sharding.check_transforms(list(gradient_fns) + list(translation.clippers))
         _keras_settings.disable(inner, translation)
         super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)
         once.neutralise(inner)

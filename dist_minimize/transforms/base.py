@@ -23,11 +23,20 @@ class GradientTransform(abc.ABC):
         replica context under tf.distribute): decisions are tensors, not Python
         branches on tensor values.
 
+    Sharded state (`Optimizer(shard_optimizer_state=True)`): each process's transform then
+    receives the pairs of its own share only. A transform that works on each pair alone
+    declares `shards_state = True`; one that combines the pairs (a global norm) must
+    combine every process's share, as `ClipByGlobalNorm` does, before declaring it. An
+    undeclared transform is refused there, naming it.
+
     State: `build(optimizer, variables)` is called once, from the optimizer's `build`,
     under the strategy scope; create variables there with `optimizer.add_variable` so
     that they are mirrored, checkpointed and saved with the optimizer. `stats()`
     returns the values worth logging.
     """
+
+    #: Whether the transform is correct on a process's share of the pairs (see above).
+    shards_state: bool = False
 
     def build(self, optimizer: keras.optimizers.Optimizer, variables: Sequence[tf.Variable]) -> None:
         """Creates the transform's state, if any. Default: stateless."""

@@ -169,6 +169,8 @@ class ClipByGlobalNorm(_Bound, GradientTransform):
       ...     transform_gradients=dist_minimize.clip_by_global_norm(1.0))
     """
 
+    shards_state = True  # the norm combines every process's share (`_shards.everyones_values`)
+
     def __init__(self, clip_norm: float | None):
         self._init_bound(clip_norm)
         self._state = None
@@ -259,6 +261,8 @@ class ClipByNorm(_Bound, GradientTransform):
       TypeError: `clip_norm` is a string or no number.
     """
 
+    shards_state = True  # each tensor alone
+
     def __init__(self, clip_norm: float | None):
         self._init_bound(clip_norm)
 
@@ -295,6 +299,8 @@ class ClipByValue(_Bound, GradientTransform):
       ValueError: `clip_value` is not positive and finite (nor None).
       TypeError: `clip_value` is a string or no number.
     """
+
+    shards_state = True  # each element alone
 
     _bound_name = "clip_value"
     _bound_dtype = tf.float32

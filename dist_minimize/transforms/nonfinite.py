@@ -32,6 +32,8 @@ class LimitNonFiniteSteps(GradientTransform):
       ValueError: `max_consecutive` < 1, or the optimizer does not skip non-finite steps.
     """
 
+    shards_state = True  # `all_finite` counts every process's share
+
     def __init__(self, max_consecutive: int = 10):
         self.max_consecutive = check_positive_int("max_consecutive", max_consecutive)
         self._count = None

@@ -113,6 +113,42 @@ def test_refused_with_a_wrapper_that_does_not_declare_shards_state():
         opt.build(m.trainable_variables)
 
 
+def clip_by_my_own_global_norm(grads_and_vars):
+    """A user's plain `transform_gradients` callable: clips by the norm of the pairs it gets."""
+    grads, norm = tf.clip_by_global_norm([g for g, _ in grads_and_vars], 1.0)
+    return list(zip(grads, [v for _, v in grads_and_vars]))
+
+
+class MyGlobalClip(dm.GradientTransform):
+    def __call__(self, grads_and_vars):
+        return clip_by_my_own_global_norm(grads_and_vars)
+
+
+@pytest.mark.parametrize("transform", [clip_by_my_own_global_norm, MyGlobalClip()], ids=["function", "transform"])
+def test_a_transform_that_does_not_declare_shards_state_is_refused_at_construction_naming_it(transform):
+    """Sharded, each process's `transform_gradients` gets its own share of the pairs: a
+    global norm computed over them would be silently wrong, so the stack is refused."""
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True: the `transform_gradients` callable\(s\) "
+                                         r"(clip_by_my_own_global_norm|MyGlobalClip) do not declare "
+                                         r"`shards_state = True`.*own share"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=[dm.clip_by_value(1.0), transform],
+                     shard_optimizer_state=True)
+    dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=transform)  # unsharded: every pair, correct
+
+
+def test_a_declared_transform_and_every_built_in_one_are_taken_sharded():
+    def per_pair(grads_and_vars):
+        return [(2.0 * g, v) for g, v in grads_and_vars]
+
+    per_pair.shards_state = True
+    built_in = [dm.clip_by_global_norm(1.0), dm.clip_by_norm(1.0), dm.clip_by_value(1.0), dm.limit_nonfinite_steps(3)]
+    opt = dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=[*built_in, per_pair], shard_optimizer_state=True)
+    assert opt.shard_optimizer_state
+    dm.Optimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0), shard_optimizer_state=True)  # Keras's, translated
+    with pytest.raises(ValueError, match="ConsistencyCheck do not declare"):  # it compares each process's share
+        dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=dm.check_consistency(2), shard_optimizer_state=True)
+
+
 def test_every_built_in_wrapper_shards_its_state():
     wrappers = [dm.LossScaleOptimizer, dm.DecoupledWeightDecay, dm.SAM, dm.GradientAccumulation, dm.MovingAverage,
                 dm.SWA, dm.Lookahead, dm.DifferentialPrivacy]
