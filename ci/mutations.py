@@ -172,11 +172,11 @@ MUTATIONS = [
              [f"{BACKEND_OPTIONS}::test_fp16_compression_within_its_bound_and_not_skipped"]),
     Mutation("clip-before-aggregation", "transform_gradients (the clipper) runs before aggregation",
              "dist_minimize/staged.py",
-             ('                    "aggregate_gradients", _shards.share(grads_and_vars), aggregated)\n'
+             ('                    "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)\n'
               '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
               '            if aggregate:\n'
               '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'),
-             ('                    "aggregate_gradients", _shards.share(grads_and_vars), aggregated)\n',
+             ('                    "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)\n',
               '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
               '            if aggregate:\n'
               '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'),
@@ -338,7 +338,7 @@ MUTATIONS = [
              ONE_AGGREGATION),
     Mutation("second-aggregation-allowed", "aggregate_gradients may run twice in one step",
              "dist_minimize/aggregation/once.py",
-             "    if len(_zones.STATE.aggregations) > allowed:\n", "    if len(_zones.STATE.aggregations) > allowed + 1:\n",
+             "    if len(CONTEXT.aggregations) > allowed:\n", "    if len(CONTEXT.aggregations) > allowed + 1:\n",
              tests(ONE_AGGREGATION, "tests/unit/test_sam.py::test_an_extra_aggregation_counts_only_when_declared")),
     # Issue 23 (a layered package): what replaced imports of subclasses.
     Mutation("refuses-outside-ignored", "a wrapper's `refuses_outside` declaration is not read "
@@ -466,7 +466,7 @@ MUTATIONS = [
              ["tests/distributed/test_sam_parity.py::test_sam_on_two_replicas_matches_one_device"]),
     Mutation("state-on-self-allowed", "a value of one call kept on a wrapper during a step is not refused",
              "dist_minimize/_keras_surface.py",
-             "        if _zones.STATE.aggregations is not None and getattr(self, \"built\", False) and _per_call(value):\n",
+             "        if CONTEXT.aggregations is not None and getattr(self, \"built\", False) and _per_call(value):\n",
              "        if False:\n",
              ["tests/unit/test_sam.py::test_state_kept_on_self_during_a_step_is_refused_naming_the_rule"]),
     Mutation("loss-fn-not-passed", "integrate's train step gives get_gradients no loss function",
@@ -517,7 +517,7 @@ MUTATIONS = [
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
     Mutation("shard-clip-local-norm", "a sharded step clips by the norm of the process's own share",
              "dist_minimize/transforms/clipping.py",
-             "    everyones = _shards.everyones_values(halves)\n",
+             "    everyones = CONTEXT.everyones_values(halves)\n",
              "    everyones = None\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some]"]),
     Mutation("shard-allgather-skipped", "the new weights of the other shares are never gathered",
@@ -579,7 +579,7 @@ MUTATIONS = [
     Mutation("shard-dp-noise-by-share-position", "DP noise seeded by a pair's place in the process's share, not "
              "in the whole step",
              "dist_minimize/wrappers/privacy.py",
-             "        for i, (g, v) in zip(_shards.positions(len(grads_and_vars)), grads_and_vars):\n",
+             "        for i, (g, v) in zip(CONTEXT.positions(len(grads_and_vars)), grads_and_vars):\n",
              "        for i, (g, v) in enumerate(grads_and_vars):\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-sgd/fit_integrated/some/dp_noise]"]),
     Mutation("shard-accumulators-of-the-share", "GradientAccumulation builds accumulators for the process's "

@@ -3,6 +3,7 @@ data-parallel distribution (tf.distribute, Horovod).
 
 Public API:
   Optimizer, OptimizerWrapper, StagedOptimizer: the staged optimizers.
+  step_context, StepContext: what the parts of one step tell each other.
   clip_by_global_norm, clip_by_norm, clip_by_value, global_norm: gradient transforms.
   GradientTransform: base class for transforms with state or configuration.
   aggregation: the backends (`Aggregator`, `StrategyAggregator`, `HorovodAggregator`).
@@ -65,6 +66,7 @@ __all__ = [
     "Optimizer",
     "OptimizerWrapper",
     "StagedOptimizer",
+    "StepContext",
     "aggregation",
     "all_finite",
     "callbacks",
@@ -79,6 +81,7 @@ __all__ = [
     "launcher",
     "privacy",
     "limit_nonfinite_steps",
+    "step_context",
     "swap_values",
     "clip_by_global_norm",
     "clip_by_norm",

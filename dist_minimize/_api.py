@@ -12,6 +12,7 @@ from dist_minimize._sharding import state_bytes as optimizer_state_bytes  # noqa
 from dist_minimize._zones import ContractError  # noqa: F401
 from dist_minimize.fit import integrate  # noqa: F401
 from dist_minimize._finite import all_finite  # noqa: F401
+from dist_minimize._step_context import StepContext, step_context  # noqa: F401
 from dist_minimize.optimizer import Optimizer  # noqa: F401
 from dist_minimize.staged import StagedOptimizer  # noqa: F401
 from dist_minimize.transforms import (  # noqa: F401

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from dist_minimize import _shards, distribute
+from dist_minimize import distribute
+from dist_minimize._step_context import CONTEXT
 
 
 def all_finite(grads) -> tf.Tensor:
@@ -18,9 +19,9 @@ def all_finite(grads) -> tf.Tensor:
     if known is not None:
         return known
     result = _all_finite(grads)
-    if _shards.current() is not None and _shards.current().sum is not None:
+    if CONTEXT.sharded is not None and CONTEXT.sharded.sum is not None:
         # A sharded step: this process holds its share of the gradients; agreed by a sum.
-        result = tf.equal(_shards.sum_over_shards(1.0 - tf.cast(result, tf.float32)), 0.0)
+        result = tf.equal(CONTEXT.sum_over_shards(1.0 - tf.cast(result, tf.float32)), 0.0)
     distribute.note_all_finite(grads, result)
     return result
 

@@ -14,6 +14,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _stages, _zones
+from dist_minimize._step_context import CONTEXT
 
 # Keras optimizer settings that act per replica, before any aggregation: set on a
 # dist_minimize optimizer they would change nothing, so setting one is refused, naming
@@ -156,7 +157,7 @@ class KerasSurface:
                     f"({type(rule).__name__}); setting it here would change nothing. Set it there: "
                     f"`optimizer.stack()[-1].inner_optimizer.{name} = ...`. Received: {name}={value!r} on "
                     f"{type(self).__name__}")
-        if _zones.STATE.aggregations is not None and getattr(self, "built", False) and _per_call(value):
+        if CONTEXT.aggregations is not None and getattr(self, "built", False) and _per_call(value):
             raise _zones.ContractError(
                 f"`{type(self).__name__}.{name}` was set during a step to {_describe(value)}. One optimizer "
                 "object serves every replica: under MirroredStrategy each replica runs the step in its own "

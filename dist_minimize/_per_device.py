@@ -1,35 +1,27 @@
 """The guarded update made device by device under a merge-call strategy
 (`StagedOptimizer.run_update`): whether a stack can be (`PerDeviceUpdate._per_device_ok`),
 how (`_update_device_by_device`), and the device whose copies the update being traced
-writes. A mixin of `StagedOptimizer`."""
+writes (`StepContext.device`). A mixin of `StagedOptimizer`."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-
-
-class _OnDevice(threading.local):
-    index: int | None = None
-    inputs: tuple | None = None  # `_compat.keras_update_inputs` of the rule, read before the branch
-
-
-# The device whose copies the update being traced writes (per-device update), or None.
-_ON_DEVICE = _OnDevice()
+from dist_minimize._step_context import CONTEXT
 
 
 @contextlib.contextmanager
 def on_device(index: int, inputs: tuple | None = None):
-    previous = _ON_DEVICE.index, _ON_DEVICE.inputs
-    _ON_DEVICE.index, _ON_DEVICE.inputs = index, inputs
+    """The update traced inside writes the copies of device `index` (`StepContext.device`)."""
+    previous = CONTEXT.device, CONTEXT.rule_inputs
+    CONTEXT.device, CONTEXT.rule_inputs = index, inputs
     try:
         yield
     finally:
-        _ON_DEVICE.index, _ON_DEVICE.inputs = previous
+        CONTEXT.device, CONTEXT.rule_inputs = previous
 
 
 class PerDeviceUpdate:

@@ -7,7 +7,7 @@ the Horovod backend's `shard_collective`), so each process receives the
 aggregated gradients of the variables it owns (`dist_minimize._shards.Partition`) and
 the rest of the step (transforms, guard, update rule, hooks) sees only those; values
 over all gradients (the clipper's global norm, the guard's finiteness) are summed
-across processes (`dist_minimize._shards.sum_over_shards`); after the update, every
+across processes (`StepContext.everyones_values`, `StepContext.sum_over_shards`); after the update, every
 process's new weights reach every process by an all-gather (`ShardedStep.gather`, run
 by `StagedOptimizer.run_update`).
 """
@@ -20,6 +20,7 @@ import logging
 import tensorflow as tf
 
 from dist_minimize import _compat, _shards, distribute
+from dist_minimize._step_context import CONTEXT
 from dist_minimize.aggregation import once
 from dist_minimize.aggregation.strategy import one_replica_per_process
 
@@ -149,7 +150,7 @@ class Sharding:
 
     def active(self) -> bool:
         """Whether this step is sharded: inside a step's update, with several processes."""
-        return self._owners is not None and self.size > 1 and _shards.current() is not None
+        return self._owners is not None and self.size > 1 and CONTEXT.sharded is not None
 
     def reduce_scatter(self, grads_and_vars: list) -> list:
         """This process's share of the aggregated gradients; registers the step's scalar
@@ -160,7 +161,7 @@ class Sharding:
         plan = backend.planned_reduce_scatters(grads_and_vars, owners)
         with once.planned(plan, f"`aggregate_gradients ({backend.name}, sharded)`"):
             out = backend.reduce_scatter(grads_and_vars, owners)
-        step = _shards.current()
+        step = CONTEXT.sharded
         variables = [v for _, v in grads_and_vars]
         updated = [g is not None for g, _ in grads_and_vars]
         step.sum = backend.sum_scalar

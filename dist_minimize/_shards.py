@@ -11,20 +11,21 @@ share plus the largest variable (`Partition.loads`).
 
 Within a sharded step, the aggregation hands each process only its own variables'
 aggregated gradients (a reduce-scatter), so a value over all gradients is a sum over
-the processes' shares: `sum_over_shards` adds a scalar (the clipper's squared norm, the
-guard's count of non-finite elements) across processes, one collective, and does
-nothing outside a sharded step. The step ends with the new weights of every process's
-share gathered by all (`ShardedStep.gather`).
+the processes' shares: `StepContext.sum_over_shards` adds a scalar (the guard's count
+of non-finite elements) across processes, one collective, and does nothing outside a
+sharded step. The step ends with the new weights of every process's share gathered by
+all (`ShardedStep.gather`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
+
+from dist_minimize._step_context import CONTEXT, ShardedStep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,76 +76,15 @@ def elements_of(variable) -> int:
     return int(np.prod(variable.shape)) if len(variable.shape) else 1
 
 
-class ShardedStep:
-    """What a sharded step's aggregation registers: how to add a scalar across processes
-    (`sum`), and how to gather the updated variables after the update (`gather`)."""
-
-    def __init__(self):
-        self.sum: Callable | None = None
-        self.gather: Callable[[], None] | None = None
-        self.owns: Callable | None = None  # variable -> whether this process owns it
-        self.everyones: Callable | None = None  # see `everyones_values`
-        self.positions: list | None = None  # see `positions`
-
-
-class _Current(threading.local):
-    step: ShardedStep | None = None
-
-
-_CURRENT = _Current()
-
-
 @contextlib.contextmanager
 def step() -> Iterator[ShardedStep]:
-    """One step's sharding context (empty until a sharding aggregation fills it)."""
-    previous, _CURRENT.step = _CURRENT.step, ShardedStep()
+    """One update's sharding context, `StepContext.sharded` (empty until a sharding
+    aggregation fills it)."""
+    previous, CONTEXT.sharded = CONTEXT.sharded, ShardedStep()
     try:
-        yield _CURRENT.step
+        yield CONTEXT.sharded
     finally:
-        _CURRENT.step = previous
-
-
-def current() -> ShardedStep | None:
-    return _CURRENT.step
-
-
-def share(grads_and_vars: list) -> list:
-    """The pairs of `grads_and_vars` this process owns in a sharded step; else all."""
-    sharded = _CURRENT.step
-    if sharded is None or sharded.owns is None:
-        return list(grads_and_vars)
-    return [(g, v) for g, v in grads_and_vars if sharded.owns(v)]
-
-
-def everyones_values(values: list) -> list | None:
-    """In a sharded step: `values` (one scalar per pair of this process's share, in the
-    order the aggregation returned them; None where a pair has no gradient) completed
-    with every other process's, one per pair of the whole step that has a gradient, in
-    the step's order: what the unsharded step computes, element for element (one
-    collective: a sum where every other process adds an exact zero). None elsewhere."""
-    sharded = _CURRENT.step
-    if sharded is None or sharded.everyones is None:
-        return None
-    return sharded.everyones(values)
-
-
-def positions(count: int) -> list:
-    """Where each of the `count` pairs a stage received sits in the whole step: in a
-    sharded step, the places of this process's share among every pair (what a transform
-    that numbers its pairs, such as the privacy noise's seeds, must use to draw what the
-    unsharded step draws); else 0 .. count - 1."""
-    sharded = _CURRENT.step
-    if sharded is None or sharded.positions is None:
-        return list(range(count))
-    return list(sharded.positions)
-
-
-def sum_over_shards(value):
-    """`value` added across the processes' shares inside a sharded step; else `value`."""
-    sharded = _CURRENT.step
-    if sharded is None or sharded.sum is None:
-        return value
-    return sharded.sum(value)
+        CONTEXT.sharded = previous
 
 
 def share_of(optimizer, var_list: list) -> list:

@@ -1,16 +1,16 @@
 """Zones of a step where collectives are watched (`dist_minimize.aggregation.once`): a
-thread's stack of zones, and the error a forbidden collective raises. Low in the package so
+thread's stack of zones (`StepContext.zones`), and the error a forbidden collective raises. Low in the package so
 that `distribute` can refuse its own collectives inside a forbidding zone too."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator
 
 import tensorflow as tf
 
 from dist_minimize import _compat
+from dist_minimize._step_context import CONTEXT
 
 # Horovod's collective ops (op types in a traced graph).
 HOROVOD_COLLECTIVES = frozenset((
@@ -41,19 +41,9 @@ class Zone:
         self.events: list[str] = []
 
 
-class _State(threading.local):
-    def __init__(self):
-        self.zones: list[Zone] = []
-        self.aggregations: list[str] | None = None  # inside a step: its aggregations so far
-        self.allowed: int = 1  # and how many it may make
-
-
-STATE = _State()
-
-
 def active() -> bool:
     """Whether this thread is inside a zone."""
-    return bool(STATE.zones)
+    return bool(CONTEXT.zones)
 
 
 def record(event: str) -> None:
@@ -62,9 +52,9 @@ def record(event: str) -> None:
     Raises:
       AggregationError: the innermost zone forbids collectives (its message and fix).
     """
-    if not STATE.zones:
+    if not CONTEXT.zones:
         return
-    zone = STATE.zones[-1]
+    zone = CONTEXT.zones[-1]
     zone.events.append(event)
     if zone.forbid:
         raise AggregationError(f"{zone.what} made a collective: {event}. {zone.fix}.")
@@ -78,17 +68,17 @@ def zone(what: str, plan: int | None, forbid: bool, fix: str = "") -> Iterator[Z
     entered = Zone(what, plan, forbid, fix)
     graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     first = len(graph.get_operations()) if graph is not None else 0
-    STATE.zones.append(entered)
+    CONTEXT.zones.append(entered)
     try:
         with _compat.hearing_all_reduce():
             yield entered
     finally:
-        STATE.zones.pop()
+        CONTEXT.zones.pop()
     if graph is not None and graph is tf.compat.v1.get_default_graph():
         for op in graph.get_operations()[first:]:
             if op.type in HOROVOD_COLLECTIVES:
-                STATE.zones.append(entered)
+                CONTEXT.zones.append(entered)
                 try:
                     record(f"a Horovod {op.type} ({op.name})")
                 finally:
-                    STATE.zones.pop()
+                    CONTEXT.zones.pop()

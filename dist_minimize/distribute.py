@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import threading
 from typing import Any, Callable, Sequence
 
 import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, _zones
+from dist_minimize._step_context import CONTEXT
 
 
 def horovod() -> Any | None:
@@ -161,14 +161,6 @@ def check_agreed(condition: tf.Tensor, what: str = "condition") -> tf.Operation 
          "and process); replicas where it holds:", votes, "of", n])
 
 
-class _Pending(threading.local):
-    updates: list | None = None
-    finite: dict | None = None  # _finite_key(grads) -> (all finite, grads); ("scaled", *key) -> note_scaled's
-
-
-_PENDING = _Pending()
-
-
 def uses_merge_call() -> bool:
     """Whether the current strategy synchronises replicas through `merge_call` (every
     CPU strategy does)."""
@@ -187,21 +179,18 @@ def _merge_call_replica_context():
 def deferred_updates():
     """Collects `assign_replicated` calls made inside, to be made by `run_if(updates=...)`.
 
-    Yields the list; pass it to the step's `run_if(..., updates=pending)` (or
-    `flush_updates(pending)`), which makes them all in its one cross-replica step. What
-    a dist_minimize step does around its stages, so that the statistics and counters
-    of every transform cost no synchronisation of their own.
+    Yields the list (`StepContext.writes`); pass it to the step's `run_if(...,
+    updates=pending)` (or `flush_updates(pending)`), which makes them all in its one
+    cross-replica step. What a dist_minimize step does around its stages, so that the
+    statistics and counters of every transform cost no synchronisation of their own.
+    What `note_all_finite` and `note_scaled` record holds inside it too.
     """
-    previous = _PENDING.updates, _PENDING.finite
-    _PENDING.updates, _PENDING.finite = [], {}
+    previous = CONTEXT.writes, CONTEXT.memos
+    CONTEXT.writes, CONTEXT.memos = [], {}
     try:
-        yield _PENDING.updates
+        yield CONTEXT.writes
     finally:
-        _PENDING.updates, _PENDING.finite = previous
-
-
-def _finite_key(grads) -> tuple:
-    return tuple(id(g) for g in grads if g is not None)
+        CONTEXT.writes, CONTEXT.memos = previous
 
 
 def note_all_finite(grads, value: tf.Tensor) -> None:
@@ -209,19 +198,15 @@ def note_all_finite(grads, value: tf.Tensor) -> None:
 
     A transform that knows it (the global-norm clipper: its outputs are finite exactly
     when the norm is) saves the non-finite guard another pass over every gradient
-    element. Only within a dist_minimize step; elsewhere it does nothing.
+    element. Only within a dist_minimize step; elsewhere it does nothing
+    (`StepContext.note_all_finite`).
     """
-    if _PENDING.finite is not None:
-        grads = [g for g in grads if g is not None]
-        _PENDING.finite[_finite_key(grads)] = (value, grads)  # (the tensors stay alive: ids stay unique)
+    CONTEXT.note_all_finite(grads, value)
 
 
 def known_all_finite(grads) -> tf.Tensor | None:
     """What `note_all_finite` recorded for exactly these gradient tensors in this step, or None."""
-    if _PENDING.finite is None:
-        return None
-    entry = _PENDING.finite.get(_finite_key(grads))
-    return entry[0] if entry is not None else None
+    return CONTEXT.known_all_finite(grads)
 
 
 def scale(g: tf.Tensor, factor: tf.Tensor) -> tf.Tensor:
@@ -234,17 +219,14 @@ def note_scaled(outputs, inputs, factor: tf.Tensor) -> None:
     """Records, for the rest of this step, that each dense tensor of `outputs` is
     `scale(inputs[i], factor)`: the guarded update, handed exactly `outputs`, makes the
     products in its branch instead (docs/writing-a-wrapper.md says why). Only within a
-    dist_minimize step."""
-    if _PENDING.finite is not None and all(isinstance(g, tf.Tensor) for g in outputs if g is not None):
-        _PENDING.finite[("scaled", *_finite_key(outputs))] = (list(inputs), factor, list(outputs))
+    dist_minimize step, and only for dense tensors."""
+    if all(isinstance(g, tf.Tensor) for g in outputs if g is not None):
+        CONTEXT.note_scaled(outputs, inputs, factor)
 
 
 def known_scaled(grads) -> tuple | None:
     """`(inputs, factor)` that `note_scaled` recorded for exactly these tensors in this step, or None."""
-    if _PENDING.finite is None:
-        return None
-    entry = _PENDING.finite.get(("scaled", *_finite_key(grads)))
-    return entry[:2] if entry is not None else None
+    return CONTEXT.known_scaled(grads)
 
 
 def assign_replicated(variable, value) -> None:
@@ -260,8 +242,8 @@ def assign_replicated(variable, value) -> None:
     replicated variables and constants (as each worker of a MultiWorkerMirroredStrategy
     writes its own copies from its own value, so does each device).
     """
-    if _PENDING.updates is not None and _merge_call_replica_context() is not None:
-        _PENDING.updates.append((variable, tf.convert_to_tensor(value)))
+    if CONTEXT.writes is not None and _merge_call_replica_context() is not None:
+        CONTEXT.writes.append((variable, tf.convert_to_tensor(value)))
     else:
         variable.assign(value)
 

@@ -16,7 +16,7 @@ import tensorflow as tf
 from dist_minimize import _compat, _keras_settings, _sharding, _stages, aggregation
 from dist_minimize._finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once
-from dist_minimize._per_device import _ON_DEVICE
+from dist_minimize._step_context import CONTEXT
 from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
 def _check_inner(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -242,7 +242,7 @@ class Optimizer(StagedOptimizer):
         rule = self.inner_optimizer
         with once.update_rule(f"The update rule of {type(self).__name__} {self.name!r} "
                               f"({type(rule).__name__} {rule.name!r})"):
-            device = _ON_DEVICE.index
+            device = CONTEXT.device
             if device is None:
                 rule.apply_gradients(grads_and_vars)
                 return
@@ -250,7 +250,7 @@ class Optimizer(StagedOptimizer):
             # `apply` makes on every device, made on this one.
             _compat.keras_apply_on_device(rule, tf.distribute.get_strategy(), device,
                                           [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars],
-                                          _ON_DEVICE.inputs)
+                                          CONTEXT.rule_inputs)
 
     def keras_settings(self) -> dict:
         """The clip bounds of `transform_gradients` as Keras's `clipnorm`, `clipvalue` and

@@ -29,6 +29,7 @@ from dist_minimize._finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
 from dist_minimize._per_device import PerDeviceUpdate
 from dist_minimize._slots import SlotStorage, _BuiltState
+from dist_minimize._step_context import CONTEXT
 from dist_minimize.aggregation import once
 
 
@@ -265,7 +266,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
                 aggregated = top.aggregate_gradients(list(grads_and_vars))
                 # A sharded step's aggregation returns this process's share of the pairs.
                 grads_and_vars = _stages.check_stage_output(
-                    "aggregate_gradients", _shards.share(grads_and_vars), aggregated)
+                    "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
             condition = top.update_condition(grads_and_vars)
             scaled = distribute.known_scaled([g for g, _ in grads_and_vars])  # (noted within this step only)

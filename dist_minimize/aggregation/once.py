@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from dist_minimize import _compat, _zones
 from dist_minimize._zones import AggregationError  # noqa: F401  (re-exported)
+from dist_minimize._step_context import CONTEXT
 
 # -- construction ---------------------------------------------------------------------
 
@@ -175,19 +176,19 @@ def step(allowed: int = 1) -> Iterator[None]:
     """One step: `aggregate_gradients` may run `allowed` times inside (`note_aggregation`):
     once, plus the extra aggregations the stack's optimizers declare
     (`StagedOptimizer.extra_aggregations`). A step opened inside another is part of it."""
-    if _zones.STATE.aggregations is not None:
+    if CONTEXT.aggregations is not None:
         yield
         return
-    _zones.STATE.aggregations, _zones.STATE.allowed = [], allowed
+    CONTEXT.aggregations, CONTEXT.allowed_aggregations = [], allowed
     try:
         yield
     finally:
-        _zones.STATE.aggregations, _zones.STATE.allowed = None, 1
+        CONTEXT.aggregations, CONTEXT.allowed_aggregations = None, 1
 
 
 def in_step() -> bool:
     """Whether this thread is inside a step's stages (`step`)."""
-    return _zones.STATE.aggregations is not None
+    return CONTEXT.aggregations is not None
 
 
 def note_aggregation(what: str) -> None:
@@ -196,14 +197,14 @@ def note_aggregation(what: str) -> None:
     Raises:
       AggregationError: the step's gradients were aggregated as many times as declared.
     """
-    if _zones.STATE.aggregations is None:
+    if CONTEXT.aggregations is None:
         return
-    _zones.STATE.aggregations.append(what)
-    allowed = _zones.STATE.allowed
-    if len(_zones.STATE.aggregations) > allowed:
+    CONTEXT.aggregations.append(what)
+    allowed = CONTEXT.allowed_aggregations
+    if len(CONTEXT.aggregations) > allowed:
         raise AggregationError(
-            f"`aggregate_gradients` ran {len(_zones.STATE.aggregations)} times in one step "
-            f"({', '.join(_zones.STATE.aggregations)}), {allowed} declared: the gradients would be aggregated "
+            f"`aggregate_gradients` ran {len(CONTEXT.aggregations)} times in one step "
+            f"({', '.join(CONTEXT.aggregations)}), {allowed} declared: the gradients would be aggregated "
             "again. A stage that aggregates other gradients on purpose (SAM aggregates the gradient it "
             "perturbs the weights along) declares it: `extra_aggregations = 1` on its class (docs/"
             "writing-a-wrapper.md, the wrapper contract); reduce other values with "

@@ -11,7 +11,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import _shards, distribute
+from dist_minimize import distribute
+from dist_minimize._step_context import CONTEXT
 from dist_minimize.transforms.base import (
     GradientTransform,
     accumulation_dtype,
@@ -121,7 +122,7 @@ def global_norm(gradients) -> tf.Tensor:
     halves = [tf.nn.l2_loss(tf.cast(dense_values(g), dtype)) if g is not None else None for g in gradients]
     # In a sharded step (`shard_optimizer_state=True`) each process holds its share of
     # the gradients: every process's halves, in the unsharded step's order (one collective).
-    everyones = _shards.everyones_values(halves)
+    everyones = CONTEXT.everyones_values(halves)
     halves = everyones if everyones is not None else [h for h in halves if h is not None]
     if not halves:
         return tf.constant(0.0, dtype)
@@ -169,7 +170,7 @@ class ClipByGlobalNorm(_Bound, GradientTransform):
       ...     transform_gradients=dist_minimize.clip_by_global_norm(1.0))
     """
 
-    shards_state = True  # the norm combines every process's share (`_shards.everyones_values`)
+    shards_state = True  # the norm combines every process's share (`StepContext.everyones_values`)
 
     def __init__(self, clip_norm: float | None):
         self._init_bound(clip_norm)

@@ -8,7 +8,8 @@ import os
 import keras
 import tensorflow as tf
 
-from dist_minimize import _shards, distribute
+from dist_minimize import distribute
+from dist_minimize._step_context import CONTEXT
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative, check_positive_finite, check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper
@@ -92,7 +93,7 @@ class DifferentialPrivacy(OptimizerWrapper):
 
     once_per_stack = True
     # Sharded (docs/sharding.md): the noise of each variable is seeded by its place in the
-    # whole step (`_shards.positions`), so a process draws for its share what the
+    # whole step (`StepContext.positions`), so a process draws for its share what the
     # unsharded step draws.
     shards_state = True
     refuses_outside = {name: (
@@ -254,7 +255,7 @@ class DifferentialPrivacy(OptimizerWrapper):
         seed = tf.stack([tf.convert_to_tensor(self._noise_seed), tf.convert_to_tensor(self._noise_draws)])
         out = []
         # Each pair's place in the whole step (sharded: among every process's pairs).
-        for i, (g, v) in zip(_shards.positions(len(grads_and_vars)), grads_and_vars):
+        for i, (g, v) in zip(CONTEXT.positions(len(grads_and_vars)), grads_and_vars):
             if g is None:
                 out.append((g, v))
                 continue

@@ -304,3 +304,54 @@ def test_the_stages_run_as_python_while_traced_without_autograph(driver, stage):
     np.testing.assert_allclose(w.numpy(), [1.0 - 0.4, 2.0 - 0.8])
     with pytest.raises(tf.errors.OperatorNotAllowedInGraphError, match="AutoGraph"):
         tf.function(step)()
+
+
+class ReadsTheStepContext(dm.OptimizerWrapper):
+    """Records what `dm.step_context()` says in its stages."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.seen = {}
+
+    def transform_loss(self, loss):
+        self.seen["loss"] = list(dm.step_context().aggregations)
+        return super().transform_loss(loss)
+
+    def transform_gradients(self, grads_and_vars):
+        context = dm.step_context()
+        self.seen["gradients"] = (list(context.aggregations), context.writes is not None,
+                                  context.share(grads_and_vars) == grads_and_vars,
+                                  context.positions(len(grads_and_vars)))
+        out = super().transform_gradients(grads_and_vars)
+        self.seen["clipped_known_finite"] = context.known_all_finite([g for g, _ in out]) is not None
+        return out
+
+    def on_applied(self, grads_and_vars):
+        self.seen["device"] = dm.step_context().device
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "mirrored"])
+def test_a_stage_reads_the_step_context_and_it_is_empty_outside_the_step(strategy):
+    """`dm.step_context()`: the aggregation made before `transform_gradients`, the deferred
+    writes and the clipper's finding within the update, every pair this process's (not
+    sharded), the device whose copies a per-device update writes; defaults outside."""
+    from conftest import mirrored_strategy
+
+    scope = mirrored_strategy() if strategy == "mirrored" else tf.distribute.get_strategy()
+    with scope.scope():
+        w = tf.Variable([1.0, 2.0])
+        opt = ReadsTheStepContext(dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=dm.clip_by_global_norm(1.0)))
+
+    @tf.function
+    def step():
+        scope.run(lambda: opt.minimize(lambda: tf.reduce_sum(w * w), [w]))
+
+    step()
+    assert opt.seen["loss"] == []
+    aggregations, deferring, all_mine, positions = opt.seen["gradients"]
+    assert len(aggregations) == 1 and deferring and all_mine and positions == [0]
+    assert opt.seen["clipped_known_finite"]
+    assert opt.seen["device"] in (0, 1)
+    context = dm.step_context()
+    assert (context.aggregations, context.writes, context.sharded, context.device, context.zones) == (
+        None, None, None, None, [])
