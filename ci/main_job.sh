@@ -2,7 +2,7 @@
 # Sets up a fresh machine (ci/setup.sh) and runs the main job: data-parallel training of
 # launch/train.py with dist_minimize's cross-replica global-norm clipping, by default on
 # 2 processes through `horovodrun -np 2 -H localhost:2 --gloo` (its servers on 127.0.0.1:
-# dist_minimize/_compat_runner.py; see docs/security.md).
+# dist_minimize/launch/horovod_runner.py; see docs/security.md).
 #   bash ci/main_job.sh [--launcher horovod-gloo|horovod-mpi|mpirun|multiworker|mirrored]
 #                       [-np N] [train.py arguments, e.g. --epochs 10]
 set -euo pipefail

@@ -90,7 +90,7 @@ __all__ = [
 ]
 
 
-_LIGHT = ("launcher", "launch_plan", "launch_procs", "launch_report")  # the submodules that need no TensorFlow
+_LIGHT = ("launcher", "launch")  # the submodules that need no TensorFlow
 _TRIGGERS = ("keras", "tensorflow")
 
 

@@ -8,11 +8,11 @@ from dist_minimize import (  # noqa: F401
     aggregation, callbacks, checkpoint, cluster, distribute, horovod_keras, launcher, privacy)
 from dist_minimize._compat import MissingDependencyError  # noqa: F401
 from dist_minimize.checkpoint import Checkpointer  # noqa: F401
-from dist_minimize._sharding import state_bytes as optimizer_state_bytes  # noqa: F401
-from dist_minimize._zones import ContractError  # noqa: F401
+from dist_minimize.sharding.sharded_state import state_bytes as optimizer_state_bytes  # noqa: F401
+from dist_minimize.step.zones import ContractError  # noqa: F401
 from dist_minimize.fit import integrate  # noqa: F401
-from dist_minimize._finite import all_finite  # noqa: F401
-from dist_minimize._step_context import StepContext, step_context  # noqa: F401
+from dist_minimize.step.finite import all_finite  # noqa: F401
+from dist_minimize.step.context import StepContext, step_context  # noqa: F401
 from dist_minimize.optimizer import Optimizer  # noqa: F401
 from dist_minimize.staged import StagedOptimizer  # noqa: F401
 from dist_minimize.transforms import (  # noqa: F401

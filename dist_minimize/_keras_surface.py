@@ -13,8 +13,10 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import _stages, _zones
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step import zones
+
+from dist_minimize.step import stages
+from dist_minimize.step.context import CONTEXT
 
 # Keras optimizer settings that act per replica, before any aggregation: set on a
 # dist_minimize optimizer they would change nothing, so setting one is refused, naming
@@ -90,7 +92,7 @@ class KerasSurface:
                     "Received: trainable_variables=None")
             trainable_variables = self.trained_variables
         trainable_variables = list(trainable_variables)
-        _stages.check_lengths(grads, trainable_variables)
+        stages.check_lengths(grads, trainable_variables)
         return self.apply_gradients(zip(grads, trainable_variables))
 
     def scale_loss(self, loss):
@@ -158,7 +160,7 @@ class KerasSurface:
                     f"`optimizer.stack()[-1].inner_optimizer.{name} = ...`. Received: {name}={value!r} on "
                     f"{type(self).__name__}")
         if CONTEXT.aggregations is not None and getattr(self, "built", False) and _per_call(value):
-            raise _zones.ContractError(
+            raise zones.ContractError(
                 f"`{type(self).__name__}.{name}` was set during a step to {_describe(value)}. One optimizer "
                 "object serves every replica: under MirroredStrategy each replica runs the step in its own "
                 "thread on this same object, so a value kept on `self` between stages is another replica's "

@@ -10,7 +10,7 @@ import contextlib
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 
 
 @contextlib.contextmanager

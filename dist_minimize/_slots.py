@@ -9,7 +9,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _sharding, _stages
+from dist_minimize import _compat
+
+from dist_minimize.sharding import sharded_state
+
+from dist_minimize.step import stages
 
 
 class SlotStorage:
@@ -51,19 +55,19 @@ class SlotStorage:
             raise ValueError(f"`add_slot` must be called from `build_state`. Received: name={name!r}")
         key = _compat.variable_key(self, variable)
         if key not in {_compat.variable_key(self, v) for v in self.trained_variables}:
-            raise ValueError(f"`add_slot`: {_stages.variable_name(variable)} is not a variable this optimizer "
+            raise ValueError(f"`add_slot`: {stages.variable_name(variable)} is not a variable this optimizer "
                              f"was built for. Received: name={name!r}")
         table = state.slots.setdefault(name, {})
         if key in table:
-            raise ValueError(f"Slot {name!r} already exists for {_stages.variable_name(variable)}.")
+            raise ValueError(f"Slot {name!r} already exists for {stages.variable_name(variable)}.")
         if replica_local:
             if initializer != "zeros":
                 raise ValueError("A replica-local slot starts at zeros (each replica's share of a "
                                  f"sum). Received: initializer={initializer!r}")
-            slot = _compat.add_replica_local_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}")
+            slot = _compat.add_replica_local_variable(self, variable, name=f"{stages.slot_prefix(variable)}_{name}")
         else:
-            with _sharding.local_state(self):  # a sharded stack's: this process's own
-                slot = _compat.add_replicated_variable(self, variable, name=f"{_slot_prefix(variable)}_{name}",
+            with sharded_state.local_state(self):  # a sharded stack's: this process's own
+                slot = _compat.add_replicated_variable(self, variable, name=f"{stages.slot_prefix(variable)}_{name}",
                                                        initializer=initializer)
         table[key] = slot
         return slot
@@ -78,7 +82,7 @@ class SlotStorage:
             return self._dm_state.slots[name][_compat.variable_key(self, variable)]
         except (KeyError, TypeError, AttributeError):
             raise KeyError(f"{type(self).__name__} has no slot {name!r} for "
-                           f"{_stages.variable_name(variable)}") from None
+                           f"{stages.variable_name(variable)}") from None
 
     def slots(self, name: str) -> list:
         """Slot `name` of every variable this optimizer was built for, in order."""
@@ -124,7 +128,7 @@ class SlotStorage:
         Args:
           variables: the variables to build for (the first step's).
         """
-        _stages.check_variables_in_strategy(variables)
+        stages.check_variables_in_strategy(variables)
         if not _compat.initialized_outside_functions(variables):
             with keras.name_scope(self.name, caller=self):
                 self.build(variables)
@@ -153,6 +157,3 @@ class _BuiltState:
         self.trained = tuple(trained)
         self.slots: dict = {}
 
-
-def _slot_prefix(variable) -> str:
-    return _stages.variable_name(variable).replace("/", "_").replace(":", "_")

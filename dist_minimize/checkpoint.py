@@ -56,7 +56,11 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from dist_minimize import _sharded_checkpoint, _sharding, distribute
+from dist_minimize import distribute
+
+from dist_minimize.sharding import sharded_checkpoint
+
+from dist_minimize.sharding import sharded_state
 from dist_minimize._stop_watcher import _StopWatcher
 
 PREFIX = "ckpt-"
@@ -108,7 +112,7 @@ class Checkpointer:
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         if self.optimizer is None:
             raise ValueError("`optimizer` is None and the model has none: compile the model or pass `optimizer`.")
-        self._sharded = _sharding.of(self.optimizer) is not None
+        self._sharded = sharded_state.of(self.optimizer) is not None
         self.every, self.keep, self.exit_code = every, keep, exit_code
         self.step = 0  # batches trained since the job began
         self.stopping = False
@@ -134,7 +138,7 @@ class Checkpointer:
             sharded = json.load(f).get("sharded")
         if sharded is not None:  # written sharded: read back on any number of processes
             self._checkpoint(sharded).read(os.path.join(path, "state")).assert_existing_objects_matched()
-            _sharded_checkpoint.read(path, sharded, self.optimizer, self.model.trainable_variables)
+            sharded_checkpoint.read(path, sharded, self.optimizer, self.model.trainable_variables)
         elif self._sharded and _task_count() > 1:
             raise ValueError(
                 f"The checkpoint {path} was written with the optimizer state unsharded; this run shards "
@@ -165,7 +169,7 @@ class Checkpointer:
         name = f"{PREFIX}{self.step:09d}"
         if self._sharded:  # every process writes its share
             self._saved = self.step
-            return _sharded_checkpoint.save(self, name, _task())
+            return sharded_checkpoint.save(self, name, _task())
         writer = self._is_writer()
         tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
         if not writer and distribute.horovod_size() > 1:
@@ -311,7 +315,7 @@ class Checkpointer:
         return tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
 
     def _check_boundary(self) -> None:
-        for opt in _sharding.stack_of(self.optimizer):
+        for opt in sharded_state.stack_of(self.optimizer):
             counter = getattr(opt, "micro_step", None)
             steps = getattr(opt, "micro_steps_per_update", 1)
             if counter is not None and int(counter.numpy()) % steps:
@@ -358,7 +362,7 @@ class _Callback(keras.callbacks.Callback):
 
 def _micro_steps(optimizer) -> int:
     n = 1
-    for opt in _sharding.stack_of(optimizer):
+    for opt in sharded_state.stack_of(optimizer):
         n *= int(getattr(opt, "micro_steps_per_update", 1))
     return n
 

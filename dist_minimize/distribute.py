@@ -23,8 +23,10 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _zones
-from dist_minimize._step_context import CONTEXT
+from dist_minimize import _compat
+
+from dist_minimize.step import zones
+from dist_minimize.step.context import CONTEXT
 
 
 def horovod() -> Any | None:
@@ -66,7 +68,7 @@ def num_replicas() -> int:
 
 def _replica_context_or_raise(what: str):
     if tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context():
-        _zones.record(f"`dist_minimize.distribute.{what}`")  # inside a step hook: its contract's error
+        zones.record(f"`dist_minimize.distribute.{what}`")  # inside a step hook: its contract's error
         raise RuntimeError(
             f"`{what}` must run in a replica context (inside `strategy.run` or `model.fit`), "
             "not in the cross-replica context.")

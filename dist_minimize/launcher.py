@@ -8,14 +8,14 @@ status of any worker (stopping the others), and can be bounded by a timeout. The
 
 Network exposure (docs/security.md): a job whose hosts are all this machine
 (the default) listens on loopback wherever the tool allows it: horovodrun's servers
-through `_compat_runner.py`, Open MPI without its TCP transport. What cannot be bound
+through `horovod_runner.py`, Open MPI without its TCP transport. What cannot be bound
 (TensorFlow's gRPC server, Open MPI's out-of-band listener) is named in one
 `[launch] exposed:` line per port as soon as it listens. A host list naming other
 machines gets none of the loopback settings. Each job's temporary files go to a private
 directory (mode 0700) that is removed when the job ends.
 
-Layout: this module runs and supervises a job (`launch`); `launch_plan.py` computes the
-commands (`plan`, `parse_hosts`, `free_ports`, ...) and `launch_procs.py` reads /proc
+Layout: this module runs and supervises a job (`launch`); `launch/plan.py` computes the
+commands (`plan`, `parse_hosts`, `free_ports`, ...) and `launch/procs.py` reads /proc
 (listening sockets, the job's process tree) and stops processes. Every name this module
 defined before they were split off is still importable from here. None of them imports
 TensorFlow: `import dist_minimize.launcher` and `launch/launch.py` start at once (see
@@ -33,7 +33,7 @@ import tempfile
 import time
 from typing import Sequence
 
-from dist_minimize.launch_plan import (  # noqa: F401  (re-exported, the private ones too)
+from dist_minimize.launch.plan import (  # noqa: F401  (re-exported, the private ones too)
     COMPAT_RUNNER,
     FAIL_FAST_ENV,
     LAUNCHERS,
@@ -49,8 +49,8 @@ from dist_minimize.launch_plan import (  # noqa: F401  (re-exported, the private
     plan,
     tf_config,
 )
-from dist_minimize.launch_report import BIND_FAILURE, _failure, _forward, describe_status  # noqa: F401
-from dist_minimize.launch_procs import (  # noqa: F401  (re-exported, the private ones too)
+from dist_minimize.launch.report import BIND_FAILURE, _failure, _forward, describe_status  # noqa: F401
+from dist_minimize.launch.procs import (  # noqa: F401  (re-exported, the private ones too)
     _address,
     _alive,
     _kill,

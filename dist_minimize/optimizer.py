@@ -13,10 +13,14 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _keras_settings, _sharding, _stages, aggregation
-from dist_minimize._finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
+from dist_minimize import _compat, _keras_settings, aggregation
+
+from dist_minimize.sharding import sharded_state
+
+from dist_minimize.step import stages
+from dist_minimize.step.finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
 def _check_inner(optimizer: Any) -> keras.optimizers.Optimizer:
@@ -141,8 +145,8 @@ class Optimizer(StagedOptimizer):
                 "the inner Keras optimizer and clipping with `transform_gradients`. "
                 f"Received: {kwargs}")
         inner = _check_inner(optimizer)
-        loss_fns = _stages.as_callables(transform_loss, "transform_loss")
-        unaggregated_fns = _stages.as_callables(
+        loss_fns = stages.as_callables(transform_loss, "transform_loss")
+        unaggregated_fns = stages.as_callables(
             transform_unaggregated_gradients, "transform_unaggregated_gradients")
         if isinstance(aggregate_gradients, (list, tuple)):
             aggregators = [aggregation.get(a) for a in aggregate_gradients]
@@ -156,17 +160,17 @@ class Optimizer(StagedOptimizer):
                 f"({', '.join(repr(a.name) for a in aggregating)}): the gradients would be aggregated "
                 f"{len(aggregating)} times per step. Pass one backend (custom callables may go around it). "
                 f"Received: aggregate_gradients={aggregate_gradients!r}")
-        gradient_fns = _stages.as_callables(transform_gradients, "transform_gradients")
+        gradient_fns = stages.as_callables(transform_gradients, "transform_gradients")
         if not isinstance(skip_nonfinite, bool):
             raise TypeError(f"`skip_nonfinite` must be a bool. Received: skip_nonfinite={skip_nonfinite!r}")
         if not isinstance(shard_optimizer_state, bool):
             raise TypeError("`shard_optimizer_state` must be a bool. "
                             f"Received: shard_optimizer_state={shard_optimizer_state!r}")
         if shard_optimizer_state:
-            _sharding.check_backends(aggregating, aggregate_gradients)
+            sharded_state.check_backends(aggregating, aggregate_gradients)
         translation = _keras_settings.translate(inner, gradient_fns)
         if shard_optimizer_state:
-            _sharding.check_transforms(list(gradient_fns) + list(translation.clippers))
+            sharded_state.check_transforms(list(gradient_fns) + list(translation.clippers))
         _keras_settings.disable(inner, translation)
         super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)
         once.neutralise(inner)
@@ -179,7 +183,7 @@ class Optimizer(StagedOptimizer):
         translation.log(inner)
         self._skip_nonfinite = skip_nonfinite
         self._skipped_steps = None
-        self._sharding = _sharding.Sharding(aggregating[0]) if shard_optimizer_state else None
+        self._sharding = sharded_state.Sharding(aggregating[0]) if shard_optimizer_state else None
         self._dm_constructed = True
 
     # -- stages --------------------------------------------------------------------------
@@ -209,13 +213,13 @@ class Optimizer(StagedOptimizer):
             plan = agg.planned_collectives(grads_and_vars) if isinstance(agg, aggregation.Aggregator) else None
             with once.planned(plan, f"`{stage}`"):
                 out = agg(grads_and_vars)
-            grads_and_vars = _stages.check_stage_output(stage, grads_and_vars, out)
+            grads_and_vars = stages.check_stage_output(stage, grads_and_vars, out)
         return grads_and_vars
 
     def shard(self, var_list: list) -> list:
         """The variables of `var_list` whose optimizer state this process keeps: all of
         them, or with `shard_optimizer_state=True` this process's share (the first call
-        partitions the list: `dist_minimize._shards.Partition.balanced`)."""
+        partitions the list: `dist_minimize.sharding.shards.Partition.balanced`)."""
         return list(var_list) if self._sharding is None else self._sharding.mine(var_list)
 
     @property
@@ -226,7 +230,7 @@ class Optimizer(StagedOptimizer):
         """Keras's saving (`.keras`): this process's state; sharded, its share only, with a
         warning (`Checkpointer` writes every process's share; docs/sharding.md)."""
         if self._sharding is not None and self._sharding.size > 1:
-            _sharding.logger.warning(
+            sharded_state.logger.warning(
                 "Saving a model whose optimizer state is sharded over %d processes: the file holds the "
                 "weights and this process's share of the optimizer state, which Keras does not load "
                 "(the optimizer restarts from a fresh state). dm.Checkpointer saves every process's share "
@@ -290,7 +294,7 @@ class Optimizer(StagedOptimizer):
         for fn in self.transforms:
             if hasattr(fn, "build"):
                 fn.build(self, var_list)
-        with _sharding.local_state(self):  # the update rule's slots: this process's own
+        with sharded_state.local_state(self):  # the update rule's slots: this process's own
             self.inner_optimizer.build(var_list)
         once.neutralise(self.inner_optimizer)  # sub-optimizers a router creates in `build`
 
@@ -385,7 +389,7 @@ class Optimizer(StagedOptimizer):
 
 def _chain(stage: str, fns: Sequence[Callable], grads_and_vars: list) -> list:
     for fn in fns:
-        grads_and_vars = _stages.check_stage_output(f"{stage} ({_fn_name(fn)})", grads_and_vars, fn(grads_and_vars))
+        grads_and_vars = stages.check_stage_output(f"{stage} ({_fn_name(fn)})", grads_and_vars, fn(grads_and_vars))
     return grads_and_vars
 
 

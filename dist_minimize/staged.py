@@ -24,12 +24,16 @@ from typing import Callable, Iterable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _shards, _stages, distribute
-from dist_minimize._finite import all_finite
+from dist_minimize import _compat, distribute
+
+from dist_minimize.sharding import shards
+
+from dist_minimize.step import stages
+from dist_minimize.step.finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
 from dist_minimize._per_device import PerDeviceUpdate
 from dist_minimize._slots import SlotStorage, _BuiltState
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.aggregation import once
 
 
@@ -166,9 +170,9 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             with tape:
                 value = self.transform_loss(loss if loss is not None else loss_fn())
             again = (lambda: self.transform_loss(loss_fn())) if loss_fn is not None else None
-            grads_and_vars = _stages.check_stage_output(
+            grads_and_vars = stages.check_stage_output(
                 "get_gradients", [(None, v) for v in variables],
-                _stages.get_gradients(self, value, variables, tape, again))
+                stages.get_gradients(self, value, variables, tape, again))
             return self.apply_gradients(grads_and_vars)
 
     def _aggregations_allowed(self) -> int:
@@ -192,7 +196,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
         if decay_var_list is not None:
             with self._decaying_step(decay_var_list):
                 return self.apply_gradients(grads_and_vars, aggregate=aggregate)
-        grads_and_vars = _stages.as_grads_and_vars(grads_and_vars)
+        grads_and_vars = stages.as_grads_and_vars(grads_and_vars)
         if not grads_and_vars:
             return self.iterations
         if not self.built:
@@ -219,7 +223,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
 
     @staticmethod
     def _run_stage(name: str, fn: Callable, grads_and_vars: list) -> list:
-        return _stages.check_stage_output(name, grads_and_vars, fn(list(grads_and_vars)))
+        return stages.check_stage_output(name, grads_and_vars, fn(list(grads_and_vars)))
 
     # -- the step protocol (what a wrapper may change besides the stages) ----------------
 
@@ -249,7 +253,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
           aggregate: False when the caller aggregated already (`apply_gradients(...,
             aggregate=False)`).
         """
-        with _shards.step() as sharded:
+        with shards.step() as sharded:
             self._update(grads_and_vars, top=top, aggregate=aggregate)
             if sharded.gather is not None:  # a sharded step: every process's new weights, everywhere
                 sharded.gather()
@@ -265,7 +269,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             if aggregate:
                 aggregated = top.aggregate_gradients(list(grads_and_vars))
                 # A sharded step's aggregation returns this process's share of the pairs.
-                grads_and_vars = _stages.check_stage_output(
+                grads_and_vars = stages.check_stage_output(
                     "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
             condition = top.update_condition(grads_and_vars)
@@ -360,7 +364,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
         self._dm_state = _BuiltState(var_list)
         # With `shard_optimizer_state=True` at the bottom, every optimizer of the stack
         # keeps state for this process's share of the variables only (`shards_state`).
-        var_list = _shards.share_of(self, var_list)
+        var_list = shards.share_of(self, var_list)
         self.build_state(var_list)
         # Keras's base `build` creates EMA averages and gradient accumulators when
         # `use_ema`/`gradient_accumulation_steps` read true; here they report the stack,

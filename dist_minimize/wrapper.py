@@ -8,8 +8,10 @@ from typing import Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _stages
-from dist_minimize._stages import variable_name
+from dist_minimize import _compat
+
+from dist_minimize.step import stages
+from dist_minimize.step.stages import variable_name
 from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
 
@@ -103,7 +105,7 @@ class OptimizerWrapper(StagedOptimizer):
 
     def get_gradients(self, loss, variables, tape, loss_fn=None):
         """Delegates to the wrapped optimizer."""
-        return _stages.get_gradients(self.wrapped, loss, variables, tape, loss_fn)
+        return stages.get_gradients(self.wrapped, loss, variables, tape, loss_fn)
 
     get_gradients._dm_default_stage = True  # delegation, not an override (see `scale_loss`)
 

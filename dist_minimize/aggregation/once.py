@@ -42,9 +42,11 @@ from typing import Iterator
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, _zones
-from dist_minimize._zones import AggregationError  # noqa: F401  (re-exported)
-from dist_minimize._step_context import CONTEXT
+from dist_minimize import _compat
+
+from dist_minimize.step import zones
+from dist_minimize.step.zones import AggregationError  # noqa: F401  (re-exported)
+from dist_minimize.step.context import CONTEXT
 
 # -- construction ---------------------------------------------------------------------
 
@@ -122,10 +124,10 @@ def _caller() -> str:
 
 
 def _on_all_reduce(context, value) -> None:
-    if not _zones.active() or getattr(context, "num_replicas_in_sync", 1) == 1:
+    if not zones.active() or getattr(context, "num_replicas_in_sync", 1) == 1:
         return
     n = len(tf.nest.flatten(value))
-    _zones.record(f"a tf.distribute all-reduce of {n} tensor{'s' if n != 1 else ''} by {_caller()}")
+    zones.record(f"a tf.distribute all-reduce of {n} tensor{'s' if n != 1 else ''} by {_caller()}")
 
 
 _compat.listen_to_all_reduce(_on_all_reduce)
@@ -134,7 +136,7 @@ _compat.listen_to_all_reduce(_on_all_reduce)
 @contextlib.contextmanager
 def update_rule(what: str) -> Iterator[None]:
     """No collective may run inside: raises `AggregationError` naming the one that does."""
-    with _zones.zone(what, None, forbid=True, fix=_RULE_FIX):
+    with zones.zone(what, None, forbid=True, fix=_RULE_FIX):
         yield
 
 
@@ -151,7 +153,7 @@ _HOOK_FIX = (
 def step_hook(optimizer, name: str) -> Iterator[None]:
     """The step hook `name` of `optimizer` runs inside: no collective may (the update
     contract, docs/writing-a-wrapper.md); raises `AggregationError` naming the hook."""
-    with _zones.zone(f"The step hook `{type(optimizer).__name__}.{name}`", None, forbid=True, fix=_HOOK_FIX):
+    with zones.zone(f"The step hook `{type(optimizer).__name__}.{name}`", None, forbid=True, fix=_HOOK_FIX):
         yield
 
 
@@ -162,7 +164,7 @@ def planned(plan: int | None, what: str) -> Iterator[None]:
     Raises:
       AggregationError: another number, listing the collectives made.
     """
-    with _zones.zone(what, plan, forbid=False) as zone:
+    with zones.zone(what, plan, forbid=False) as zone:
         yield
     if plan is not None and len(zone.events) != plan:
         made = "; ".join(zone.events) or "none"

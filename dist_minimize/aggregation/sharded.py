@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._shards import elements_of
+from dist_minimize.step.stages import elements_of
 
 
 # A collective's buffer holds at most about this many bytes (a larger variable, alone):

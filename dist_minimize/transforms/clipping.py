@@ -12,7 +12,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.transforms.base import (
     GradientTransform,
     accumulation_dtype,

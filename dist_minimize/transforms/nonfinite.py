@@ -50,7 +50,7 @@ class LimitNonFiniteSteps(GradientTransform):
                                                  name="consecutive_nonfinite_steps")
 
     def __call__(self, grads_and_vars):
-        from dist_minimize._finite import all_finite
+        from dist_minimize.step.finite import all_finite
 
         grads_and_vars = list(grads_and_vars)
         if self._count is None:

@@ -7,8 +7,8 @@ import logging
 
 import tensorflow as tf
 
-from dist_minimize import _sharding
-from dist_minimize._stages import variable_name
+from dist_minimize.sharding import sharded_state
+from dist_minimize.step.stages import variable_name
 from dist_minimize.wrapper import OptimizerWrapper, swap_values
 
 logger = logging.getLogger("dist_minimize")
@@ -47,7 +47,7 @@ class AveragingWrapper(OptimizerWrapper):
         after: every process enters and leaves the block.
         """
         self._check_built("averaged_weights")
-        mine = [v for v in self.trained_variables if not _sharding.held_elsewhere(self, v)]
+        mine = [v for v in self.trained_variables if not sharded_state.held_elsewhere(self, v)]
         return _gathered(swap_values(mine, [self.average_of(v) for v in mine]), self)
 
     def assign_average_vars(self, var_list=None):
@@ -76,11 +76,11 @@ class AveragingWrapper(OptimizerWrapper):
             try:
                 average = self.slot("average", v)
             except KeyError:
-                if not _sharding.held_elsewhere(self, v):  # sharded: another process averages it
+                if not sharded_state.held_elsewhere(self, v):  # sharded: another process averages it
                     skipped.append(v)
                 continue
             v.assign(tf.convert_to_tensor(average))
-        _sharding.gather_shares(self)  # sharded: every process's averages, everywhere
+        sharded_state.gather_shares(self)  # sharded: every process's averages, everywhere
         if skipped:
             logger.warning("%s.assign_average_vars: skipped %d variable(s) it does not average (left as they "
                            "are): %s", type(self).__name__, len(skipped),
@@ -98,7 +98,7 @@ def _gathered(swap, optimizer):
     """`swap` with every process's share gathered after it begins and after it ends."""
     try:
         with swap:
-            _sharding.gather_shares(optimizer)
+            sharded_state.gather_shares(optimizer)
             yield
     finally:
-        _sharding.gather_shares(optimizer)
+        sharded_state.gather_shares(optimizer)

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._periodic import on_period
+from dist_minimize.wrappers._periodic import on_period
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_int, check_unit_interval
 from dist_minimize.wrapper import OptimizerWrapper

@@ -6,7 +6,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._finite import all_finite
+from dist_minimize.step.finite import all_finite
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
 from dist_minimize.wrapper import OptimizerWrapper

@@ -9,7 +9,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative, check_positive_finite, check_positive_int
 from dist_minimize.wrapper import OptimizerWrapper

@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._periodic import on_period
+from dist_minimize.wrappers._periodic import on_period
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative_int, check_positive_int
 from dist_minimize.wrappers.averaging import AveragingWrapper

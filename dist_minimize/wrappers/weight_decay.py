@@ -10,7 +10,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-from dist_minimize._stages import variable_name
+from dist_minimize.step.stages import variable_name
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative
 from dist_minimize.wrapper import OptimizerWrapper

@@ -1,5 +1,5 @@
 """Canaries: one test per private Keras/TensorFlow/Horovod internal that
-dist_minimize/_compat/ (and _compat_runner.py, the launcher's horovodrun) uses. Each
+dist_minimize/_compat/ (and horovod_runner.py, the launcher's horovodrun) uses. Each
 fails, naming the internal, when a Keras or TensorFlow release moves it."""
 
 import os
@@ -223,7 +223,7 @@ def test_keras_symbolic_build_internals_used_by_integrate():
 
 @requires_horovod
 def test_horovodrun_servers_bind_through_find_port_and_the_runner_moves_them_to_loopback():
-    """dist_minimize/_compat_runner.py (the launcher's horovodrun for local jobs): Horovod's
+    """dist_minimize/launch/horovod_runner.py (the launcher's horovodrun for local jobs): Horovod's
     rendezvous server still binds every interface through `find_port`, imported by name
     in the modules patched, and `mpi_run._OMPI_FLAGS` still chooses `-mca btl`; patched,
     the rendezvous server binds 127.0.0.1 and mpirun's transport is shared memory."""
@@ -240,7 +240,7 @@ def test_horovodrun_servers_bind_through_find_port_and_the_runner_moves_them_to_
     assert "find_port(" in inspect.getsource(http_server.RendezvousServer.start)
     assert any(f.startswith("-mca btl ") for f in mpi_run._OMPI_FLAGS)
     spec = importlib.util.spec_from_file_location(
-        "dm_compat_runner", os.path.join(os.path.dirname(os.path.dirname(_compat.__file__)), "_compat_runner.py"))
+        "dm_compat_runner", os.path.join(os.path.dirname(os.path.dirname(_compat.__file__)), "launch", "horovod_runner.py"))
     runner = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(runner)
     saved = [(m, m.find_port) for m in (network, http_server, common_network)]

@@ -15,7 +15,7 @@ import pytest
 
 import proc
 from dist_minimize import launcher
-from dist_minimize.launch_report import _forward
+from dist_minimize.launch.report import _forward
 
 # A worker that fails in the first attempt (DM_RESTART_ATTEMPT=0) as argv[1] says:
 # "kill" (SIGKILL to itself), "exit42", or "ok"; worker WORKER_INDEX only (default: all).

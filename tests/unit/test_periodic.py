@@ -1,8 +1,8 @@
-"""dist_minimize/_periodic.py: the schedules of SWA, Lookahead and MovingAverage."""
+"""dist_minimize/wrappers/_periodic.py: the schedules of SWA, Lookahead and MovingAverage."""
 
 import tensorflow as tf
 
-from dist_minimize._periodic import on_period
+from dist_minimize.wrappers._periodic import on_period
 
 
 def test_on_period_is_the_modulo_schedule_from_start():

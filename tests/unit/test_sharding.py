@@ -1,4 +1,4 @@
-"""`shard_optimizer_state=True` in one process: the partition (dist_minimize/_shards.py),
+"""`shard_optimizer_state=True` in one process: the partition (dist_minimize/sharding/shards.py),
 what is refused with which message, the one-process no-op, the settings round trip and
 `optimizer_state_bytes`. Parity across processes: tests/distributed/test_sharded_state.py."""
 
@@ -11,7 +11,7 @@ import tensorflow as tf
 
 import dist_minimize as dm
 from conftest import mirrored_strategy, requires_horovod
-from dist_minimize._shards import Partition
+from dist_minimize.sharding.shards import Partition
 
 
 def model():
@@ -165,7 +165,7 @@ def test_buckets_bound_each_collective_and_hold_each_variable_once():
     """The sharded step's collectives go bucket by bucket: every variable in exactly one
     bucket, in its owner's segment; a bucket's buffer (processes x the largest segment)
     within the bound unless one variable alone exceeds it; dtypes apart; None skipped."""
-    from dist_minimize._shards import Partition
+    from dist_minimize.sharding.shards import Partition
     from dist_minimize.aggregation import sharded
 
     sizes = [4096, 4096, 4096, 4096, 100, 10, 50000, 7]
@@ -206,7 +206,7 @@ def test_buckets_go_in_order_so_only_one_buffer_lives_at_once():
     gather's after its writes): otherwise TensorFlow may build every buffer, a copy of
     all the gradients, before the first collective runs, and the peak memory a sharded
     step saves is spent again. The reduced values: each process keeps its segment."""
-    from dist_minimize._shards import Partition
+    from dist_minimize.sharding.shards import Partition
     from dist_minimize.aggregation import sharded
 
     sizes = [64] * 12

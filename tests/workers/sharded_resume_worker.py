@@ -84,7 +84,7 @@ if mode == "save":
 else:
     train(start, STEPS)
     ckpt.close()
-held = _sharded_checkpoint.held_by_key(optimizer, model.trainable_variables)
+held = sharded_checkpoint.held_by_key(optimizer, model.trainable_variables)
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"start": start, "weights": [w.tolist() for w in P.weights(model)],
                "state": {k: np.asarray(v).tolist() for k, v in held.items()},

@@ -23,9 +23,9 @@ import contextlib
 import dataclasses
 from typing import Iterator, Sequence
 
-import numpy as np
 
-from dist_minimize._step_context import CONTEXT, ShardedStep
+from dist_minimize.step.context import CONTEXT, ShardedStep
+from dist_minimize.step.stages import elements_of  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +70,6 @@ class Partition:
         for r, e in zip(self.owner, self.elements):
             out[r] += e
         return out
-
-
-def elements_of(variable) -> int:
-    return int(np.prod(variable.shape)) if len(variable.shape) else 1
 
 
 @contextlib.contextmanager

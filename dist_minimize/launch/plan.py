@@ -83,7 +83,7 @@ LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 # Open MPI settings of a local job (mpirun, horovodrun --mpi). Ranks talk through shared
 # memory only: the TCP transport (and libfabric's, under other pml/btl choices) listens on
 # every interface or on the machine's address whatever `btl_tcp_if_include` says
-# (measured on Open MPI 4.1.4). horovodrun sets pml and btl itself: `_compat_runner.py`
+# (measured on Open MPI 4.1.4). horovodrun sets pml and btl itself: `horovod_runner.py`
 # changes its choice. The out-of-band channel uses loopback, but still listens on 0.0.0.0
 # and [::]: Open MPI has no bind-address setting for it (`oob_tcp_disable_ipv6_family`
 # does not remove the [::] listener either).
@@ -98,7 +98,7 @@ UNBINDABLE = {
     "horovod-mpi": _OOB,
 }
 
-COMPAT_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_compat_runner.py")
+COMPAT_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "horovod_runner.py")
 
 
 def is_local(slots: Sequence[tuple[str, int]]) -> bool:
@@ -180,7 +180,7 @@ def plan(launcher: str, np: int, script: Sequence[str], hosts: str | None = None
     host_arg = ",".join(f"{h}:{n}" for h, n in slots)
     local = is_local(slots)
     env = {"TMPDIR": tmpdir} if tmpdir else {}
-    mca = list(LOCAL_MPI_MCA) if local else []  # horovodrun --mpi's transport: _compat_runner.py
+    mca = list(LOCAL_MPI_MCA) if local else []  # horovodrun --mpi's transport: horovod_runner.py
     if local and shm_dir:
         mca.append(("btl_vader_backing_directory", shm_dir))
     if launcher in ("horovod-gloo", "horovod-mpi"):

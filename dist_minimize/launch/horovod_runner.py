@@ -14,7 +14,7 @@ machine, nothing needs to reach those servers from outside, so this entry point 
 command line. `dist_minimize.launcher` uses it only when every host is a loopback name.
 
 Usage (what `launch/launch.py --launcher horovod-gloo` runs on one machine):
-  python dist_minimize/_compat_runner.py HOROVODRUN_ARGS...
+  python dist_minimize/launch/horovod_runner.py HOROVODRUN_ARGS...
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ LOCAL_BTL = "-mca btl self,vader"
 
 def _changed(what: str) -> RuntimeError:
     return RuntimeError(f"Horovod changed: {what}, so horovodrun cannot be kept on loopback; "
-                        "update dist_minimize/_compat_runner.py")
+                        "update dist_minimize/launch/horovod_runner.py")
 
 
 def bind_horovodrun_to_loopback() -> None:

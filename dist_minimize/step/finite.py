@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from dist_minimize import distribute
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 
 
 def all_finite(grads) -> tf.Tensor:
@@ -15,14 +14,14 @@ def all_finite(grads) -> tf.Tensor:
     transform already knows: `dist_minimize.distribute.note_all_finite`).
     """
     grads = list(grads)
-    known = distribute.known_all_finite(grads)
+    known = CONTEXT.known_all_finite(grads)
     if known is not None:
         return known
     result = _all_finite(grads)
     if CONTEXT.sharded is not None and CONTEXT.sharded.sum is not None:
         # A sharded step: this process holds its share of the gradients; agreed by a sum.
         result = tf.equal(CONTEXT.sum_over_shards(1.0 - tf.cast(result, tf.float32)), 0.0)
-    distribute.note_all_finite(grads, result)
+    CONTEXT.note_all_finite(grads, result)
     return result
 
 

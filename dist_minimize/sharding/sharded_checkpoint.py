@@ -31,8 +31,10 @@ import shutil
 
 import tensorflow as tf
 
-from dist_minimize import _compat, _sharding, distribute
-from dist_minimize._slots import _slot_prefix  # how Keras and dist_minimize name a variable's slots
+from dist_minimize import _compat, distribute
+
+from dist_minimize.sharding import sharded_state
+from dist_minimize.step.stages import slot_prefix  # how Keras and dist_minimize name a variable's slots
 
 SHARDS = "shards"
 
@@ -51,9 +53,9 @@ def held_by_key(optimizer, trained: list) -> dict:
       ValueError: two variables get the same key (the checkpoint could not tell them apart).
     """
     owners = [opt.name for opt in _layers(optimizer)]
-    prefixes = sorted(((_slot_prefix(v) + "_", i) for i, v in enumerate(trained)), key=lambda p: -len(p[0]))
+    prefixes = sorted(((slot_prefix(v) + "_", i) for i, v in enumerate(trained)), key=lambda p: -len(p[0]))
     out: dict = {}
-    for variable in _sharding.held_variables(optimizer):
+    for variable in sharded_state.held_variables(optimizer):
         creator = variable.path.split("/")[0]
         owner = owners.index(creator) if creator in owners else creator
         name = variable.path.split("/")[-1]
@@ -68,7 +70,7 @@ def held_by_key(optimizer, trained: list) -> dict:
 
 def _layers(optimizer) -> list:
     """The optimizers of the stack, outermost first, and its update rule last."""
-    stack = _sharding.stack_of(optimizer)
+    stack = sharded_state.stack_of(optimizer)
     return stack + [getattr(stack[-1], "inner_optimizer", stack[-1])]
 
 
@@ -149,7 +151,7 @@ def _collector(optimizer, name: str):
     if distribute.horovod_size() > 1:
         hvd = distribute.horovod()
         return lambda x: list(hvd.allgather_object(x))
-    sharding = _sharding.of(optimizer)
+    sharding = sharded_state.of(optimizer)
     if sharding is None or sharding.size == 1:
         return lambda x: [x]
     client, calls = _compat.coordination_client(), itertools.count()

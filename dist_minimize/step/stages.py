@@ -133,6 +133,20 @@ def variable_name(v) -> str:
     return getattr(v, "path", None) or getattr(v, "name", repr(v))
 
 
+def slot_prefix(variable) -> str:
+    """How Keras and dist_minimize begin the names of a variable's slots."""
+    return variable_name(variable).replace("/", "_").replace(":", "_")
+
+
+def elements_of(variable) -> int:
+    """A variable's (or tensor's) number of elements."""
+    shape = variable.shape
+    count = 1
+    for n in shape:
+        count *= int(n)
+    return count
+
+
 def check_stage_output(stage: str, before: list, after: Any) -> list:
     """Raises if a stage broke its contract; returns its output as a list of pairs.
 

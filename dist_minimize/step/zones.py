@@ -10,7 +10,7 @@ from typing import Iterator
 import tensorflow as tf
 
 from dist_minimize import _compat
-from dist_minimize._step_context import CONTEXT
+from dist_minimize.step.context import CONTEXT
 
 # Horovod's collective ops (op types in a traced graph).
 HOROVOD_COLLECTIVES = frozenset((

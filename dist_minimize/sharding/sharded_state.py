@@ -4,7 +4,7 @@ state of its share of the trained variables only (ZeRO stages 1 and 2).
 A step: the gradients of every variable are computed and transformed per process as
 usual; `aggregate_gradients` reduce-scatters them (or all-reduces and slices them:
 the Horovod backend's `shard_collective`), so each process receives the
-aggregated gradients of the variables it owns (`dist_minimize._shards.Partition`) and
+aggregated gradients of the variables it owns (`dist_minimize.sharding.shards.Partition`) and
 the rest of the step (transforms, guard, update rule, hooks) sees only those; values
 over all gradients (the clipper's global norm, the guard's finiteness) are summed
 across processes (`StepContext.everyones_values`, `StepContext.sum_over_shards`); after the update, every
@@ -19,8 +19,10 @@ import logging
 
 import tensorflow as tf
 
-from dist_minimize import _compat, _shards, distribute
-from dist_minimize._step_context import CONTEXT
+from dist_minimize import _compat, distribute
+
+from dist_minimize.sharding import shards
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.aggregation import once
 from dist_minimize.aggregation.strategy import one_replica_per_process
 
@@ -107,7 +109,7 @@ class Sharding:
             # One process and no job ("auto" chose no aggregation): the switch does nothing.
             self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
             self._strategy = tf.distribute.get_strategy()
-            partition = _shards.Partition.balanced([_shards.elements_of(v) for v in var_list], self.size, self.rank)
+            partition = shards.Partition.balanced([shards.elements_of(v) for v in var_list], self.size, self.rank)
             self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
             self._variables = list(var_list)
             loads = partition.loads()
@@ -154,7 +156,7 @@ class Sharding:
 
     def reduce_scatter(self, grads_and_vars: list) -> list:
         """This process's share of the aggregated gradients; registers the step's scalar
-        sum and its all-gather (`_shards.ShardedStep`)."""
+        sum and its all-gather (`shards.ShardedStep`)."""
         backend = self.backend()
         grads_and_vars = list(grads_and_vars)
         owners = [self.owner(v) for _, v in grads_and_vars]
@@ -236,4 +238,4 @@ def held_variables(optimizer) -> list:
 
 def state_bytes(optimizer) -> int:
     """Bytes of the optimizer stack's variables held by this process (`held_variables`)."""
-    return sum(_shards.elements_of(v) * tf.as_dtype(v.dtype).size for v in held_variables(optimizer))
+    return sum(shards.elements_of(v) * tf.as_dtype(v.dtype).size for v in held_variables(optimizer))
