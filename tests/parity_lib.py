@@ -53,7 +53,7 @@ MIRRORED_CASES_ON = {2: MIRRORED_CASES if os.environ.get("DM_PROFILE", "default"
                      4: MIRRORED_FEW_CASES}
 
 
-# Weight wrappers (issue 10) as the parity tests build them around an optimizer.
+# Weight wrappers as the parity tests build them around an optimizer.
 WEIGHT_WRAPPERS = {
     "moving_average": lambda dm, o: dm.MovingAverage(o, average_decay=0.5, dynamic_decay=True),
     "swa": lambda dm, o: dm.SWA(o, start_averaging=1, average_period=2),
@@ -88,7 +88,7 @@ EXTRA_STACKS = {
     "stack": WEIGHT_STACK,
     "loss_scale": lambda dm, o: dm.LossScaleOptimizer(o, initial_scale=8.0, dynamic=True, growth_interval=1),
 }
-# SAM (issue 24): the loss evaluated again at perturbed weights, in "callable" and
+# SAM: the loss evaluated again at perturbed weights, in "callable" and
 # "fit_integrated" modes; rho large enough that a perturbation from a replica's own
 # gradient would show.
 SAM_WRAPPERS = {

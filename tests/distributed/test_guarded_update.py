@@ -83,8 +83,8 @@ PER_DEVICE = [(False, "/JOB:LOCALHOST/REPLICA:0/TASK:0/DEVICE:CPU:0"),
                                   "hook_reads_outside", "user_hook", "helper_override", "constraint", "nadam"])
 def test_guarded_update_is_one_unlowered_cond_per_device_where_it_can_be(case):
     """The guarded update is one `If` per device, on that device, which TensorFlow keeps
-    whole (one kernel, not a Switch and an Identity per input: issue 11), for the
-    package's wrappers and a user's alike (issue 23: a user's step hook, or a user's
+    whole (one kernel, not a Switch and an Identity per input), for the
+    package's wrappers and a user's alike (a user's step hook, or a user's
     override of what the package's hooks call, takes the same path). Where the Keras
     rule cannot be applied device by device (a constraint, a Keras optimizer that
     changes `apply`), it is the one lowered cond of `run_if`. A device whose update reads
@@ -193,7 +193,7 @@ def test_central_storage_strategy_keeps_one_cond():
 
 
 def test_the_per_device_choice_does_not_look_at_classes():
-    """Issue 23: no class inspection, no private flag: a user's wrapper with its own hooks,
+    """No class inspection, no private flag: a user's wrapper with its own hooks,
     in a module of its own, is updated device by device like the package's."""
     class Elsewhere(dm.OptimizerWrapper):
         def on_applied(self, grads_and_vars):

@@ -134,7 +134,7 @@ def lazy_reference(case: str) -> list:
 @pytest.mark.parametrize("run,case", [run_param(r, case, marks=ONCE.get(r, ()))
                                       for r in ("multiworker", "horovod-gloo") for case in P.LAZY_CASES])
 def test_lazy_build_matches_the_built_first_run(tmp_path_factory, run, case):
-    """Issue 22: a stack not built before its first traced step builds there, as stock
+    """A stack not built before its first traced step builds there, as stock
     Keras does, and trains as the built-first run (loss scaling, accumulation, every weight
     wrapper, DP)."""
     results = processes(run, tmp_path_factory)

@@ -189,7 +189,7 @@ class ReducesInAHook(dm.OptimizerWrapper):
 
 @pytest.mark.parametrize("rule", ["sgd", "nadam"])  # device by device; one lowered cond (Nadam)
 def test_a_step_hook_that_synchronises_is_refused_naming_it(rule):
-    """The update contract (issue 23): a hook reads and writes variables only; a
+    """The update contract: a hook reads and writes variables only; a
     collective in it fails at the first trace, naming the hook and where the work belongs,
     however the update is made."""
     s = mirrored_strategy()

@@ -1,4 +1,4 @@
-"""Issue 12: what a local job exposes on the network, measured while it runs.
+"""What a local job exposes on the network, measured while it runs.
 
 Each local launcher starts a short job (tests/workers/security_worker.py: set-up and
 one collective, then a wait); the TCP sockets in LISTEN state of the whole process tree

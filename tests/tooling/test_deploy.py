@@ -114,7 +114,7 @@ def _selects(selector: dict, labels: dict) -> bool:
 
 @pytest.mark.parametrize("manifest", ["multiworker.yaml", "mpijob.yaml"])
 def test_network_policy_admits_only_the_jobs_own_pods(manifest):
-    """Issue 12: the job's ports have no authentication; each example manifest carries a
+    """The job's ports have no authentication; each example manifest carries a
     NetworkPolicy that selects every pod of the job and admits ingress from those only."""
     import yaml
 

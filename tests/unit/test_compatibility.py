@@ -1,5 +1,5 @@
 """What users of dist_minimize 0.1.0 hold keeps working after the package was split into
-layers (issue 23): every public name, and the `.keras` files and checkpoints it wrote,
+layers: every public name, and the `.keras` files and checkpoints it wrote,
 which load and resume exactly.
 
 The files in tests/fixtures/v0_1 were written by the package as it stood at commit

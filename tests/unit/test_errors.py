@@ -232,7 +232,7 @@ def test_two_aggregating_backends_are_refused():
 
 
 def test_clip_by_norm_skips_an_overflowing_norm():
-    """As for the global norm (defect 5): finite elements whose norm overflows must give a
+    """As for the global norm: finite elements whose norm overflows must give a
     skipped step, not a zero step that advances `iterations`."""
     v = tf.Variable([1.0, 1.0])
     opt = dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=dm.clip_by_norm(1.0))

@@ -1,4 +1,4 @@
-"""Gradients in every form Keras's `apply_gradients` accepts are converted (issue 22 B):
+"""Gradients in every form Keras's `apply_gradients` accepts are converted:
 Python lists and numbers, NumPy arrays; tensors, IndexedSlices and None are kept."""
 
 import keras

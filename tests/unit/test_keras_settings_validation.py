@@ -1,5 +1,5 @@
-"""Keras settings on a wrapped Keras optimizer: invalid values are errors (issue 22 A),
-and the clipping settings may be changed on a built optimizer between steps (issue 22 C)."""
+"""Keras settings on a wrapped Keras optimizer: invalid values are errors,
+and the clipping settings may be changed on a built optimizer between steps."""
 
 import math
 import re

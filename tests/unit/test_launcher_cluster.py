@@ -102,7 +102,7 @@ def test_mpi4py_and_horovod_link_the_same_mpi():
     assert "libmpi.so" in path
 
 
-# Issue 12: a local job listens on loopback where its tool allows it; a host list that
+# A local job listens on loopback where its tool allows it; a host list that
 # names other machines keeps the tools' defaults (they must reach each other).
 MULTI_HOST = [{"hosts": "a:2,b:2"}, {"hosts": "localhost:2,node2:2"}, {"hostfile": "HOSTFILE"}]
 

@@ -1,5 +1,5 @@
 """An optimizer not built before its first step builds there, under MirroredStrategy too,
-in a traced step (issue 22 D), for every wrapper: the same weights as when `build` was
+in a traced step, for every wrapper: the same weights as when `build` was
 called first.
 
 Before, building inside the traced replica function failed under MirroredStrategy with

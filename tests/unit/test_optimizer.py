@@ -226,7 +226,7 @@ def test_nonfinite_step_is_skipped_not_written(bad, use_function):
 def test_guarded_update_without_a_strategy_is_one_unlowered_if():
     """On one device (no strategy; each Horovod process), the guarded update is one If
     op that TensorFlow keeps whole: one kernel, not a Switch and an Identity per input
-    (issue 23: the guard cost 11% under Horovod when lowered). Wrappers' own schedules
+    (the guard cost 11% under Horovod when lowered). Wrappers' own schedules
     (SWA's snapshot, inside it) do not change that."""
     v = tf.Variable([1.0, 2.0])
     opt = dm.SWA(dm.Optimizer(keras.optimizers.Adam(0.1), transform_gradients=dm.clip_by_global_norm(1.0)),

@@ -1,4 +1,4 @@
-"""Issue 22: what users porting from TF Addons and TF Privacy expect, against NumPy
+"""What users porting from TF Addons and TF Privacy expect, against NumPy
 references written from those libraries' documented rules (neither library is
 installable here):
 

@@ -31,7 +31,7 @@ def optimizer_arrays(path):
     return names
 
 
-# -- defect 6: each state variable once, no unused variables ------------------------------
+# -- each state variable once, no unused variables ------------------------------
 
 
 def test_keras_file_stores_each_optimizer_variable_once(tmp_path):

@@ -205,7 +205,7 @@ class Centralize(dm.OptimizerWrapper):
 
 def test_a_custom_stage_traces_without_autograph_warnings_from_the_package(caplog):
     """Every run with a custom stage printed "AutoGraph could not transform <function
-    discover ...>: for/else statement not yet supported" (issue 24)."""
+    discover ...>: for/else statement not yet supported"."""
     import logging
 
     w = tf.Variable([1.0, 2.0])

@@ -1,5 +1,5 @@
 """Limits under MirroredStrategy that used to fail deep inside TensorFlow, now refused
-early with an error naming the limit and the fix (issue 22 E)."""
+early with an error naming the limit and the fix."""
 
 import keras
 import numpy as np

@@ -99,21 +99,21 @@ if scenario == "parity":
         w, opt = P.train_custom(default, lambda k=k: P.accumulating_adam(dm, keras, k), ds, P.STEPS * k, local)
         results[f"accumulate/{k}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                       "calls": counter.take(), "clipped_steps": P.clipped_steps(opt)}
-    # The weight wrappers (issue 10): Adam with the clip firing on some steps.
+    # The weight wrappers: Adam with the clip firing on some steps.
     for name in P.WEIGHT_WRAPPERS:
         for mode in ("fit", "tape"):
             w, opt, _ = P.train(default, "adam", mode, clip="some", dataset=P.local_dataset(rank, size),
                                 loss_denominator=local, wrap=name)
             results[f"wrap/{name}/{mode}"] = {"weights": lists(w), "state": [np.array(v).tolist() for v in opt.variables],
                                               "iterations": int(opt.iterations.numpy())}
-    # DifferentialPrivacy (issue 10): SGD without a clipper; noise off and noise on from a
+    # DifferentialPrivacy: SGD without a clipper; noise off and noise on from a
     # fixed seed (the same noise as one device); unseeded, rank 0's seed reaches every rank.
     for name in P.PRIVACY_WRAPPERS:
         for mode in ("fit_integrated", "tape"):
             w, opt, _ = P.train(default, "sgd", mode, clip=False, dataset=P.local_dataset(rank, size), wrap=name)
             results[f"dp/{name}/{mode}"] = {"weights": lists(w), "iterations": int(opt.iterations.numpy()),
                                             "draws": int(opt.noise_draws.numpy())}
-    # SAM (issue 24): the loss evaluated again at weights perturbed along the aggregated gradient.
+    # SAM: the loss evaluated again at weights perturbed along the aggregated gradient.
     counter.take()
     for case in P.SAM_CASES:
         _, name, mode = case.split("/")

@@ -75,7 +75,7 @@ for opt_name in ("sgd", "adam"):
     got, _, _ = P.train(strategy, opt_name, "fit", use_dm=False)
     results[f"{opt_name}/keras_anchor"] = {"diff": P.max_abs_diff(ref, got)}
 
-# Weight wrappers (issue 10), alone and all stacked: SGD with the clip firing on some
+# Weight wrappers, alone and all stacked: SGD with the clip firing on some
 # steps (an unclipped SGD step is proportional to the gradient's scale). Weights, every
 # optimizer variable (averages, slow weights, counts) and the clipped-step count are
 # compared with one device. On 4 replicas each alone in a custom loop and the stack in fit
@@ -96,9 +96,9 @@ for name in [*P.WEIGHT_WRAPPERS, "stack"] if N == 4 else ["stack"]:
             "num_averaged": int(opt.find(dm.SWA).num_averaged.numpy()) if name in ("swa", "stack") else None,
             "copies_agree": copies_agree(list(opt.variables) + list(model.trainable_variables))}
 
-# DifferentialPrivacy (issue 10): SGD without a clipper (its steps see the gradient's
+# DifferentialPrivacy: SGD without a clipper (its steps see the gradient's
 # scale); noise off, and noise on from a fixed seed (the same noise on 1, 2, 4 devices).
-# SAM (issue 24): the perturbation from the aggregated gradient, N replicas = one device.
+# SAM: the perturbation from the aggregated gradient, N replicas = one device.
 for case in P.SAM_CASES:
     _, name, mode = case.split("/")
     ref, _, _ = P.train(default, "adam", mode, clip="some", wrap=name)
