@@ -111,8 +111,11 @@ class Backend:
             hvd.init()
             self.strategy = tf.distribute.get_strategy()  # the default: one replica per process
         self.replicas_here = len(self.strategy.extended.worker_devices)
-        self.rank = self.strategy.cluster_resolver.task_id if name == "multiworker" else (
-            __import__("horovod.tensorflow").tensorflow.rank() if name == "horovod" else 0)
+        self.rank = 0
+        if name == "multiworker":
+            self.rank = self.strategy.cluster_resolver.task_id
+        elif name == "horovod":
+            self.rank = hvd.rank()
 
     def local_batch(self) -> int:
         """Rows this process feeds: the global batch where the strategy splits it, else its share."""
@@ -279,8 +282,8 @@ def run_sample(backend: str, models: str, kinds: list, json_path: str, timeout: 
         sys.path.insert(0, ROOT)
         from dist_minimize import launcher
 
-        status = launcher.launch("horovod-gloo" if backend == "horovod" else "multiworker", 2,
-                                 [sys.executable, *script], timeout=timeout)
+        status = launcher.launch("horovod-gloo" if backend == "horovod" else "multiworker", 2, script,
+                                 timeout=timeout)
         if status != 0:
             raise RuntimeError(f"the {backend} sample exited with {status}")
     with open(json_path) as f:
