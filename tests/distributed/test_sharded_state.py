@@ -36,14 +36,18 @@ HOROVOD_JOBS = [run_param("horovod-gloo", 2), run_param("horovod-gloo", 4), run_
 # test_compat_canaries.py::test_local_variables_are_made_past_the_strategy.
 ONCE = [default_profile_only]
 JOBS = HOROVOD_JOBS + [run_param("multiworker", 2, marks=ONCE)]
-TOL = 1e-6
+TOL = 1e-5
 
 
 def close(a, b) -> bool:
-    """Within 1e-6 of the larger of 1 and the largest weight: on 4 processes Gloo's
-    reduce-scatter adds the processes' gradients in another order than its all-reduce (an
-    ulp apart), and SGD at 0.1 on this problem carries that to about 1e-6 of a weight of
-    2.2 in 4 steps (measured 1.19e-6); on 2 processes the sums agree bit for bit."""
+    """Within 1e-5 of the larger of 1 and the largest weight: on 4 processes Gloo's
+    reduce-scatter adds the processes' gradients in another order than its all-reduce (a
+    few ulps apart), and SGD at 0.1 with the clip firing on this problem carries that to a
+    few millionths of a weight of 2.2 in 4 steps. The amount depends on how the Horovod
+    build splits the buffer among the processes: 1.19e-6 on one build of Horovod 0.28.1
+    on these machines, 5.72e-6 (the same on every run) on another, with the same
+    dist_minimize. A wrong share, scale or owner moves weights by 1e-2 and more. On 2
+    processes the sums agree bit for bit, and the test asserts that."""
     scale = max(1.0, max(float(np.max(np.abs(w))) for w in a))
     return P.max_abs_diff(a, b) <= TOL * scale
 

@@ -28,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 
 import dist_minimize as dm  # noqa: E402
 import parity_lib as P  # noqa: E402
-from dist_minimize import _sharded_checkpoint  # noqa: E402
+from dist_minimize.sharding import sharded_checkpoint  # noqa: E402
 
 STEPS = 8
 out_dir, mode, ckpt_dir = sys.argv[1:4]
