@@ -110,7 +110,7 @@ class Backend:
 
             hvd.init()
             self.strategy = tf.distribute.get_strategy()  # the default: one replica per process
-        self.replicas_here = len(self.strategy.extended.worker_devices)
+        self.replicas_here = 2 if name == "mirrored" else 1  # this process's replicas
         self.rank = 0
         if name == "multiworker":
             self.rank = self.strategy.cluster_resolver.task_id
