@@ -615,7 +615,8 @@ def partition_rows(quick):
     (no run): for N = 2, 4, 8, the largest process's share of the weights over 1/N of
     them, and the zero padding the buckets send beyond the gradients' own size."""
     import keras
-    from dist_minimize.sharding.shards import Partition, elements_of
+    from dist_minimize.sharding.shards import Partition
+    from dist_minimize.step.stages import elements_of
     from dist_minimize.aggregation import sharded
     models = {"12 x Dense(2048)": lambda: keras.Sequential([keras.Input((2048,))]
                                                            + [keras.layers.Dense(2048) for _ in range(12)])}

@@ -14,7 +14,6 @@ import keras
 import tensorflow as tf
 
 from dist_minimize.step import zones
-
 from dist_minimize.step import stages
 from dist_minimize.step.context import CONTEXT
 

@@ -10,9 +10,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat
-
 from dist_minimize.sharding import sharded_state
-
 from dist_minimize.step import stages
 
 

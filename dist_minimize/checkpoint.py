@@ -57,9 +57,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import distribute
-
 from dist_minimize.sharding import sharded_checkpoint
-
 from dist_minimize.sharding import sharded_state
 from dist_minimize._stop_watcher import _StopWatcher
 

@@ -24,7 +24,6 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat
-
 from dist_minimize.step import zones
 from dist_minimize.step.context import CONTEXT
 

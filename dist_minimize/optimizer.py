@@ -14,9 +14,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, _keras_settings, aggregation
-
 from dist_minimize.sharding import sharded_state
-
 from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once

@@ -25,9 +25,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-
 from dist_minimize.sharding import shards
-
 from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite
 from dist_minimize._keras_surface import KerasSurface

@@ -9,7 +9,6 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat
-
 from dist_minimize.step import stages
 from dist_minimize.step.stages import variable_name
 from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate

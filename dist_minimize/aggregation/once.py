@@ -43,7 +43,6 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat
-
 from dist_minimize.step import zones
 from dist_minimize.step.zones import AggregationError  # noqa: F401  (re-exported)
 from dist_minimize.step.context import CONTEXT

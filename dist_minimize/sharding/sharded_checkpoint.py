@@ -32,7 +32,6 @@ import shutil
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-
 from dist_minimize.sharding import sharded_state
 from dist_minimize.step.stages import slot_prefix  # how Keras and dist_minimize name a variable's slots
 

@@ -20,8 +20,8 @@ import logging
 import tensorflow as tf
 
 from dist_minimize import _compat, distribute
-
 from dist_minimize.sharding import shards
+from dist_minimize.step.stages import elements_of
 from dist_minimize.step.context import CONTEXT
 from dist_minimize.aggregation import once
 from dist_minimize.aggregation.strategy import one_replica_per_process
@@ -109,7 +109,7 @@ class Sharding:
             # One process and no job ("auto" chose no aggregation): the switch does nothing.
             self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
             self._strategy = tf.distribute.get_strategy()
-            partition = shards.Partition.balanced([shards.elements_of(v) for v in var_list], self.size, self.rank)
+            partition = shards.Partition.balanced([elements_of(v) for v in var_list], self.size, self.rank)
             self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
             self._variables = list(var_list)
             loads = partition.loads()
@@ -238,4 +238,4 @@ def held_variables(optimizer) -> list:
 
 def state_bytes(optimizer) -> int:
     """Bytes of the optimizer stack's variables held by this process (`held_variables`)."""
-    return sum(shards.elements_of(v) * tf.as_dtype(v.dtype).size for v in held_variables(optimizer))
+    return sum(elements_of(v) * tf.as_dtype(v.dtype).size for v in held_variables(optimizer))

@@ -25,7 +25,6 @@ from typing import Iterator, Sequence
 
 
 from dist_minimize.step.context import CONTEXT, ShardedStep
-from dist_minimize.step.stages import elements_of  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
