@@ -22,7 +22,7 @@ import sys
 # The repository root, for a checkout where dist_minimize is not installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dist_minimize.launcher import LAUNCHERS, START_TIMEOUT, handle_sigterm, launch  # noqa: E402  (no TensorFlow)
+from dist_minimize.launcher import LAUNCHERS, START_TIMEOUT, handle_sigterm, launch  # noqa: E402
 
 
 def main(argv=None) -> int:

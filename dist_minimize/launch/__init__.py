@@ -1,2 +1,2 @@
-"""The launcher's parts (no TensorFlow): the plan of a job, its processes, the
+"""The launcher's parts: the plan of a job, its processes, the
 report of how it ended, and the horovodrun runner for local jobs."""
