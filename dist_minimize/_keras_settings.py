@@ -102,19 +102,6 @@ def clipper_classes() -> dict:
     return {"clipnorm": ClipByNorm, "clipvalue": ClipByValue, "global_clipnorm": ClipByGlobalNorm}
 
 
-def _setting(optimizer: Any, name: str) -> Any:
-    if isinstance(optimizer, dict):
-        return (optimizer.get("config") or {}).get(name)
-    return getattr(optimizer, name, None)
-
-
-def needs_wrappers(optimizer: Any) -> bool:
-    """Whether a Keras optimizer (or its config dict) has a setting that becomes a wrapper."""
-    if not isinstance(optimizer, (dict, keras.optimizers.Optimizer)):
-        return False
-    return any(_setting(optimizer, name) for name in WRAPPER_SETTINGS)
-
-
 class Translation:
     """What `translate` decided for one Keras optimizer: clippers to append, wrappers
     to build around the `Optimizer` (innermost first), and the log line."""
@@ -123,6 +110,7 @@ class Translation:
         self.clippers: list = []
         self.wrappers: list = []  # (wrapper class, keyword arguments), innermost first
         self.parts: list = []
+        self.wrapper_settings: list = []  # "use_ema=True", ... as the user set them
         self.disable: dict = {}  # attribute of the Keras optimizer -> the value that turns it off
 
     def log(self, optimizer: keras.optimizers.Optimizer) -> None:
@@ -190,17 +178,20 @@ def _translate_wrappers(optimizer, t: Translation) -> None:
         kwargs = dict(average_decay=momentum, start_step=1, overwrite_frequency=frequency,
                       assign_on_finalize=True)
         t.wrappers.append((MovingAverage, kwargs))
+        t.wrapper_settings.append("use_ema=True")
         t.disable.update(use_ema=False, ema_overwrite_frequency=None)
         t.parts.append(f"use_ema=True, ema_momentum={momentum!r}, ema_overwrite_frequency={frequency!r} -> "
                        f"dist_minimize.MovingAverage(average_decay={momentum!r}, start_step=1, "
                        f"overwrite_frequency={frequency!r}, assign_on_finalize=True) around it")
     if steps:
         t.wrappers.append((GradientAccumulation, dict(steps=steps)))
+        t.wrapper_settings.append(f"gradient_accumulation_steps={steps!r}")
         t.disable["gradient_accumulation_steps"] = None
         t.parts.append(f"gradient_accumulation_steps={steps!r} -> dist_minimize.GradientAccumulation("
                        f"steps={steps!r}) around it")
     if scale is not None:
         t.wrappers.append((LossScaleOptimizer, dict(initial_scale=scale, dynamic=False)))
+        t.wrapper_settings.append(f"loss_scale_factor={scale!r}")
         t.disable["loss_scale_factor"] = None
         t.parts.append(f"loss_scale_factor={scale!r} -> dist_minimize.LossScaleOptimizer(initial_scale={scale!r}, "
                        "dynamic=False) around it (a non-finite step is skipped, not applied)")
@@ -216,6 +207,16 @@ def disable(optimizer: keras.optimizers.Optimizer, translation: Translation) -> 
             f"optimizer before it is built. Received: a built {type(optimizer).__name__}")
     for attribute, value in translation.disable.items():
         setattr(optimizer, attribute, value)
+
+
+def take_wrappers(optimizer: keras.optimizers.Optimizer) -> list:
+    """The wrappers `optimizer`'s settings become (`(class, kwargs)`, innermost first),
+    with the Keras optimizer's own copy of those settings switched off and logged."""
+    t = Translation()
+    _translate_wrappers(optimizer, t)
+    disable(optimizer, t)
+    t.log(optimizer)
+    return t.wrappers
 
 
 def wrap(core, wrappers: Sequence) -> Any:

@@ -24,9 +24,9 @@ from dist_minimize.step.context import CONTEXT
 # reach the stack's clipper (`_keras_setting_property`).
 _PER_REPLICA_SETTINGS = {
     "gradient_accumulation_steps": "dist_minimize.GradientAccumulation(optimizer, steps={}) around it, or "
-    "gradient_accumulation_steps={} on the Keras optimizer given to dist_minimize.Optimizer",
+    "gradient_accumulation_steps={} on the Keras optimizer given to dist_minimize.Optimizer.from_keras",
     "use_ema": "dist_minimize.MovingAverage(optimizer, average_decay=..., start_step=1) around it, or "
-    "use_ema={} on the Keras optimizer given to dist_minimize.Optimizer",
+    "use_ema={} on the Keras optimizer given to dist_minimize.Optimizer.from_keras",
 }
 
 # Keras's optimizer settings that dist_minimize applies after aggregation, with Keras's

@@ -74,10 +74,9 @@ class Optimizer(StagedOptimizer):
     * `use_ema` with `gradient_accumulation_steps`: refused (Keras moves the average
       on every micro-step; build the stack you mean explicitly).
 
-    With a wrapper setting, `Optimizer(...)` returns the wrapper (outermost first:
-    `LossScaleOptimizer(GradientAccumulation|MovingAverage(Optimizer(...)))`), so
-    `isinstance(result, Optimizer)` is then False; `result.stack()[-1]` is the
-    `Optimizer`. Read on any dist_minimize optimizer, `clipnorm`, `use_ema`,
+    The last three settings make a stack, which `Optimizer.from_keras(optimizer, ...)`
+    builds and returns (`Optimizer(...)` refuses them, as it returns an `Optimizer`;
+    `stack()[-1]` of the result is the `Optimizer`). Read on any dist_minimize optimizer, `clipnorm`, `use_ema`,
     `gradient_accumulation_steps`, ... report what the stack applies.
 
     Args:
@@ -107,23 +106,22 @@ class Optimizer(StagedOptimizer):
     """
 
 
-    def __new__(cls, *args, **kwargs):
-        # A Keras setting that becomes a wrapper (use_ema, gradient_accumulation_steps,
-        # loss_scale_factor): construct this optimizer, then return it wrapped. Python
-        # does not call `__init__` again on a returned object of another class.
-        self = super().__new__(cls)
-        args = list(args)
-        given = args[0] if args else kwargs.get("optimizer")
-        if not _keras_settings.needs_wrappers(given):
-            return self
-        inner = _check_inner(given)
-        if args:
-            args[0] = inner
-        else:
-            kwargs["optimizer"] = inner
-        self.__init__(*args, **kwargs)
-        wrappers, self._dm_wrappers = self._dm_wrappers, ()
-        return _keras_settings.wrap(self, wrappers)
+    @classmethod
+    def from_keras(cls, optimizer: keras.optimizers.Optimizer | str, **kwargs) -> StagedOptimizer:
+        """The stack a Keras optimizer's settings call for: this `Optimizer` around
+        `optimizer`, inside the wrappers that `use_ema`, `gradient_accumulation_steps`
+        and `loss_scale_factor` become (outermost first:
+        `LossScaleOptimizer(GradientAccumulation|MovingAverage(Optimizer(...)))`), or
+        the `Optimizer` alone when none is set. `kwargs` are the constructor's.
+
+        Example:
+          >>> opt = dist_minimize.Optimizer.from_keras(keras.optimizers.Adam(use_ema=True))
+          >>> [type(o).__name__ for o in opt.stack()]
+          ['MovingAverage', 'Optimizer']
+        """
+        inner = _check_inner(optimizer)
+        wrappers = _keras_settings.take_wrappers(inner)
+        return _keras_settings.wrap(cls(inner, **kwargs), wrappers)
 
     def __init__(
         self,
@@ -167,6 +165,12 @@ class Optimizer(StagedOptimizer):
         if shard_optimizer_state:
             sharded_state.check_backends(aggregating, aggregate_gradients)
         translation = _keras_settings.translate(inner, gradient_fns)
+        if translation.wrappers:
+            raise ValueError(
+                f"`optimizer` sets {', '.join(translation.wrapper_settings)}, which dist_minimize makes a "
+                f"wrapper around the Optimizer ({', '.join(c.__name__ for c, _ in translation.wrappers)}): "
+                "build the stack with `dist_minimize.Optimizer.from_keras(optimizer, ...)`, which returns it. "
+                f"Received: optimizer={type(inner).__name__}({', '.join(translation.wrapper_settings)})")
         if shard_optimizer_state:
             sharded_state.check_transforms(list(gradient_fns) + list(translation.clippers))
         _keras_settings.disable(inner, translation)
@@ -177,7 +181,6 @@ class Optimizer(StagedOptimizer):
         self._unaggregated_fns = tuple(unaggregated_fns)
         self._aggregators = tuple(aggregators)
         self._gradient_fns = tuple(gradient_fns) + tuple(translation.clippers)
-        self._dm_wrappers = tuple(translation.wrappers)
         translation.log(inner)
         self._skip_nonfinite = skip_nonfinite
         self._skipped_steps = None

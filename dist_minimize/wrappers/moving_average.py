@@ -38,8 +38,8 @@ class MovingAverage(AveragingWrapper):
     Keras's `use_ema=True, ema_momentum=m, ema_overwrite_frequency=f` is
     `MovingAverage(opt, average_decay=m, start_step=1, overwrite_frequency=f,
     assign_on_finalize=True)` (the average is the weights after the first update, then
-    moves with momentum m); `dist_minimize.Optimizer` builds exactly that from a Keras
-    optimizer with `use_ema=True`.
+    moves with momentum m); `dist_minimize.Optimizer.from_keras` builds exactly that from
+    a Keras optimizer with `use_ema=True`.
 
     Evaluate or save with the averages: `with opt.averaged_weights(): ...`,
     `opt.assign_average_vars()` at the end (variables it does not average, such as

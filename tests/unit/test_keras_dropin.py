@@ -175,7 +175,7 @@ def test_keras_use_ema_becomes_moving_average_with_keras_rule(frequency):
         return keras.optimizers.SGD(LR, momentum=0.5, use_ema=True, ema_momentum=0.8,
                                     ema_overwrite_frequency=frequency)
 
-    opt = dm.Optimizer(keras_opt())
+    opt = dm.Optimizer.from_keras(keras_opt())
     assert isinstance(opt, dm.MovingAverage) and isinstance(opt.stack()[-1], dm.Optimizer)
     assert (opt.average_decay, opt.start_step, opt.overwrite_frequency, opt.assign_on_finalize) == (
         0.8, 1, frequency, True)
@@ -225,7 +225,7 @@ def fit(optimizer, epochs=2, seed=3):
 
 
 def test_use_ema_in_fit_ends_with_the_averages_like_keras():
-    model = fit(dm.Optimizer(keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.7)))
+    model = fit(dm.Optimizer.from_keras(keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.7)))
     stock = fit(keras.optimizers.Adam(0.05, use_ema=True, ema_momentum=0.7))
     plain = fit(keras.optimizers.Adam(0.05))
     assert diff([model.get_weights()], [stock.get_weights()]) <= TOL
@@ -273,7 +273,7 @@ def test_keras_gradient_accumulation_becomes_gradient_accumulation():
     def keras_opt():
         return keras.optimizers.SGD(LR, gradient_accumulation_steps=k, global_clipnorm=c)
 
-    opt = dm.Optimizer(keras_opt())
+    opt = dm.Optimizer.from_keras(keras_opt())
     assert isinstance(opt, dm.GradientAccumulation) and opt.steps == k
     assert (opt.gradient_accumulation_steps, opt.global_clipnorm) == (k, c)
     inner = opt.stack()[-1].inner_optimizer
@@ -305,7 +305,7 @@ def test_keras_loss_scale_factor_becomes_a_fixed_loss_scale():
     def keras_opt():
         return keras.optimizers.SGD(LR, loss_scale_factor=s, clipnorm=2.0)
 
-    opt = dm.Optimizer(keras_opt())
+    opt = dm.Optimizer.from_keras(keras_opt())
     assert isinstance(opt, dm.LossScaleOptimizer) and (opt.initial_scale, opt.dynamic) == (s, False)
     assert opt.loss_scale_factor == s and opt.clipnorm == 2.0
     assert opt.stack()[-1].inner_optimizer.loss_scale_factor is None
@@ -323,7 +323,7 @@ def test_keras_loss_scale_factor_becomes_a_fixed_loss_scale():
 
 def test_the_inner_optimizer_never_clips_averages_or_accumulates_itself():
     keras_opt = keras.optimizers.Adam(0.1, clipvalue=0.5, use_ema=True, ema_overwrite_frequency=2)
-    opt = dm.Optimizer(keras_opt)
+    opt = dm.Optimizer.from_keras(keras_opt)
     inner = opt.stack()[-1].inner_optimizer
     assert inner is keras_opt
     assert (inner.clipnorm, inner.clipvalue, inner.global_clipnorm, inner.use_ema,
@@ -342,13 +342,14 @@ def test_the_inner_optimizer_never_clips_averages_or_accumulates_itself():
 
 def test_the_translation_is_logged_once_per_optimizer(caplog):
     caplog.set_level(logging.INFO, logger="dist_minimize")
-    opt = dm.Optimizer(keras.optimizers.SGD(LR, clipnorm=1.0, use_ema=True, ema_momentum=0.9, name="my_sgd"))
+    opt = dm.Optimizer.from_keras(keras.optimizers.SGD(LR, clipnorm=1.0, use_ema=True, ema_momentum=0.9, name="my_sgd"))
     run_dm(opt, 2)
     lines = [r.getMessage() for r in caplog.records if r.name == "dist_minimize" and "dist_minimize.Optimizer(" in r.getMessage()]
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("dist_minimize.Optimizer(SGD 'my_sgd'): clipnorm=1.0 -> transform_gradients += "
+    assert len(lines) == 2, lines  # the wrapper settings (from_keras), then the clip (the Optimizer)
+    assert lines[0].startswith("dist_minimize.Optimizer(SGD 'my_sgd'): use_ema=True, ema_momentum=0.9, "
+                               "ema_overwrite_frequency=None -> dist_minimize.MovingAverage(")
+    assert lines[1].startswith("dist_minimize.Optimizer(SGD 'my_sgd'): clipnorm=1.0 -> transform_gradients += "
                                "dist_minimize.clip_by_norm(1.0)")
-    assert "use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=None -> dist_minimize.MovingAverage(" in lines[0]
     caplog.clear()
     dm.Optimizer(keras.optimizers.SGD(LR))  # nothing to translate: no line
     keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(opt))  # already translated
@@ -367,7 +368,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_config_round_trips_to_the_same_stack(case):
-    opt = dm.Optimizer(CASES[case]())
+    opt = dm.Optimizer.from_keras(CASES[case]())
     config = keras.saving.serialize_keras_object(opt)
     again = keras.saving.deserialize_keras_object(config)
     assert type(again) is type(opt)
@@ -379,7 +380,7 @@ def test_config_round_trips_to_the_same_stack(case):
 
 
 def test_a_model_file_keeps_the_translated_stack(tmp_path):
-    model = fit(dm.Optimizer(keras.optimizers.Adam(0.05, use_ema=True, clipnorm=1.0)), epochs=1)
+    model = fit(dm.Optimizer.from_keras(keras.optimizers.Adam(0.05, use_ema=True, clipnorm=1.0)), epochs=1)
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.saving.load_model(path)

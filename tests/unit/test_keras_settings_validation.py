@@ -53,7 +53,7 @@ def _keras_optimizer(setting, value):
 def test_an_invalid_translated_setting_is_refused_in_keras_style(setting, value, error):
     message = f"`{setting}` must be {RULES[setting]}. Received: {setting}={value!r} on SGD"
     with pytest.raises(error, match=re.escape(message)):
-        dm.Optimizer(_keras_optimizer(setting, value))
+        dm.Optimizer.from_keras(_keras_optimizer(setting, value))
 
 
 @pytest.mark.parametrize("setting,value,error", [
@@ -72,13 +72,14 @@ def test_an_invalid_setting_in_a_config_is_refused_too(setting, value, error):
     ("gradient_accumulation_steps", np.int64(3)), ("ema_momentum", 0.0), ("ema_momentum", 1.0),
     ("ema_overwrite_frequency", 1), ("loss_scale_factor", 1e-3)])
 def test_valid_values_are_translated(setting, value):
-    opt = dm.Optimizer(_keras_optimizer(setting, value))
+    opt = dm.Optimizer.from_keras(_keras_optimizer(setting, value))
     assert math.isclose(float(getattr(opt, setting)), float(value))
 
 
 def test_none_is_off():
-    opt = dm.Optimizer(keras.optimizers.SGD(0.1, clipnorm=None, gradient_accumulation_steps=None,
-                                            loss_scale_factor=None, use_ema=True, ema_overwrite_frequency=None))
+    opt = dm.Optimizer.from_keras(keras.optimizers.SGD(0.1, clipnorm=None, gradient_accumulation_steps=None,
+                                                       loss_scale_factor=None, use_ema=True,
+                                                       ema_overwrite_frequency=None))
     assert opt.clipnorm is None and opt.gradient_accumulation_steps is None and opt.loss_scale_factor is None
     assert opt.use_ema and opt.ema_overwrite_frequency is None
 
