@@ -625,6 +625,16 @@ MUTATIONS = [
              "            sharded_state.check_transforms(list(gradient_fns) + list(translation.clippers))\n",
              "            pass\n",
              ["tests/unit/test_sharding.py::test_a_transform_that_does_not_declare_shards_state_is_refused_at_construction_naming_it"]),
+    Mutation("broadcast-by-name", "the broadcast matches optimizer variables by their names (paths) again",
+             "dist_minimize/horovod_keras/__init__.py",
+             '        held = [(f"optimizer variable {key!r}", keyed[key]) for key in sorted(keyed)]\n',
+             '        held = sorted(((f"optimizer variable {v.path!r}", v) for v in keyed.values()), key=lambda e: e[0])\n',
+             ["tests/distributed/test_broadcast.py::test_a_loaded_model_and_a_fresh_one_end_with_every_optimizer_variable_of_the_root"]),
+    Mutation("optimizer-takes-wrapper-settings", "Optimizer(...) takes use_ema & co. and drops them silently",
+             "dist_minimize/optimizer.py",
+             "        if translation.wrappers:\n            raise ValueError(",
+             "        if False:\n            raise ValueError(",
+             ["tests/unit/test_errors.py::test_bad_input_raises_clear_error"]),
 ]
 
 

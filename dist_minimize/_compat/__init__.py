@@ -228,6 +228,16 @@ def own_variables(optimizer: keras.optimizers.Optimizer) -> list:
     return list(optimizer._variables)
 
 
+def momentum_slots(rule: keras.optimizers.Optimizer) -> list:
+    """The momentum slots of a built SGD (`momentums`) or RMSprop (`_momentums`): the
+    variables its step multiplies by `momentum` once each."""
+    if isinstance(rule, keras.optimizers.RMSprop):
+        return list(rule._momentums)
+    if isinstance(rule, keras.optimizers.SGD):
+        return list(rule.momentums)
+    raise TypeError(f"No momentum slots are known for {type(rule).__name__}; SGD and RMSprop only.")
+
+
 class UntrackedBaseState:
     """Mixin for dist_minimize optimizers: Keras's base constructor leaves no unused state.
 

@@ -149,6 +149,21 @@ def test_keras_base_constructor_state_is_what_untracked_base_state_drops():
     assert probe.variables == [extra]
 
 
+@pytest.mark.parametrize("rule", ["SGD", "RMSprop"])
+def test_momentum_slots_are_the_slots_keras_multiplies_by_momentum(rule):
+    v = keras.Variable([1.0, -2.0], name="w")
+    opt = getattr(keras.optimizers, rule)(0.1, momentum=0.5)
+    opt.apply([tf.constant([1.0, 1.0])], [v])
+    slots = _compat.momentum_slots(opt)
+    assert len(slots) == 1 and "momentum" in slots[0].path
+    before = v.numpy().copy()
+    slots[0].assign(tf.zeros([2]))  # no momentum carried: the next step is the momentum-free one
+    opt.apply([tf.constant([1.0, 1.0])], [v])
+    step = v.numpy() - before  # the slot is what the step adds (SGD) or subtracts (RMSprop)
+    np.testing.assert_allclose(step, slots[0].numpy() if rule == "SGD" else -slots[0].numpy(), rtol=1e-6)
+    assert np.all(step != 0)
+
+
 def test_own_variables_is_keras_variables_list():
     opt = keras.optimizers.Adam(0.1)
     opt.build([keras.Variable([1.0])])
