@@ -635,6 +635,21 @@ MUTATIONS = [
              "        if translation.wrappers:\n            raise ValueError(",
              "        if False:\n            raise ValueError(",
              ["tests/unit/test_errors.py::test_bad_input_raises_clear_error"]),
+    Mutation("accumulation-sum-averages", "GradientAccumulation(average=False) divides by steps anyway",
+             "dist_minimize/wrappers/accumulation.py",
+             "            divisor = self.steps if self.average else 1\n",
+             "            divisor = self.steps\n",
+             ["tests/unit/test_wrappers.py::test_accumulation_with_average_false_updates_with_the_sum_of_the_micro_steps_gradients"]),
+    Mutation("momentum-correction-dropped", "the learning-rate callbacks change the rate without rescaling the momentum slots",
+             "dist_minimize/horovod_keras/learning_rate.py",
+             "                slot.assign(slot * tf.cast(factor, slot.dtype))\n",
+             "                pass\n",
+             ["tests/unit/test_learning_rate.py::test_momentum_correction_is_horovods_corrected_sgd_step"]),
+    Mutation("epoch-schedule-staircase-ignored", "EpochSchedule treats a staircase callback as acting at every batch",
+             "dist_minimize/horovod_keras/learning_rate.py",
+             "        if c.staircase:\n            epoch = step // per\n",
+             "        if False:\n            epoch = step // per\n",
+             ["tests/unit/test_learning_rate.py::test_epoch_schedule_gives_the_rates_the_callbacks_set_at_every_step"]),
 ]
 
 

@@ -18,12 +18,16 @@ class GradientAccumulation(OptimizerWrapper):
     Each call of `apply_gradients` (each `model.fit` batch, each `minimize`) is a
     micro-step: `transform_unaggregated_gradients` runs, and the result is added to a
     per-replica accumulator (no communication). Every `steps`-th micro-step the mean of
-    the accumulated gradients goes through the rest of the pipeline once:
+    the accumulated gradients (their sum with `average=False`) goes through the rest of
+    the pipeline once:
     `aggregate_gradients` (one collective per update, not per micro-step),
     `transform_gradients` (the global-norm clipper and loss-scale unscaling act on the
     accumulated gradient), the non-finite guard and `apply_updates`; then the
     accumulators are zeroed. With equal micro-batches, the update equals one step on the
-    `steps`-times larger batch. `iterations` counts updates, not micro-steps.
+    `steps`-times larger batch. `iterations` counts updates, not micro-steps (Keras's
+    meaning); `micro_step` counts micro-steps (Horovod's `backward_passes_per_step`
+    counts these in its `iterations`): key a schedule or a log on it where code
+    counts backward passes.
 
     The boundary decision comes from a replicated micro-step counter, so it is the same
     on every replica and worker; under tf.distribute it is taken in the cross-replica
@@ -53,16 +57,21 @@ class GradientAccumulation(OptimizerWrapper):
     Args:
       optimizer: a dist_minimize optimizer.
       steps: micro-steps per update (>= 1; 1 updates every step).
+      average: update with the mean of the micro-steps' gradients (True) or their sum
+        (False: Horovod's `average_aggregated_gradients=False`).
 
     Raises:
       TypeError: `optimizer` is not a dist_minimize optimizer.
       ValueError: `steps` < 1, or the stack already accumulates.
     """
 
-    def __init__(self, optimizer: StagedOptimizer, steps: int, name: str | None = None):
+    def __init__(self, optimizer: StagedOptimizer, steps: int, average: bool = True, name: str | None = None):
         steps = check_positive_int("steps", steps)
+        if not isinstance(average, bool):
+            raise TypeError(f"`average` must be a bool. Received: average={average!r}")
         super().__init__(optimizer, name=name)
         self.steps = steps
+        self.average = average
         self._micro_step = None
 
     once_per_stack = True
@@ -114,7 +123,8 @@ class GradientAccumulation(OptimizerWrapper):
 
     def run_update(self, grads_and_vars, *, top, aggregate):
         """Adds this micro-step's gradients to the accumulators; every `steps`-th
-        micro-step, runs the wrapped update once on their mean."""
+        micro-step, runs the wrapped update once on their mean (their sum with
+        `average=False`)."""
         accumulators = [self.slot("accumulated", v) for _, v in grads_and_vars]
         for (g, v), acc in zip(grads_and_vars, accumulators):
             if g is not None:
@@ -129,9 +139,10 @@ class GradientAccumulation(OptimizerWrapper):
         variables = [v for _, v in grads_and_vars]
 
         def update():
-            mean = [(tf.convert_to_tensor(acc) / self.steps if p else None, v)
-                    for acc, p, v in zip(accumulators, present, variables)]
-            self.wrapped.run_update(mean, top=top, aggregate=aggregate)
+            divisor = self.steps if self.average else 1
+            combined = [(tf.convert_to_tensor(acc) / divisor if p else None, v)
+                        for acc, p, v in zip(accumulators, present, variables)]
+            self.wrapped.run_update(combined, top=top, aggregate=aggregate)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
 
@@ -139,9 +150,10 @@ class GradientAccumulation(OptimizerWrapper):
         distribute.run_if(tf.equal(micro % self.steps, 0), update, updates=[(self._micro_step, micro)])
 
     def get_config(self):
-        """The wrapped optimizer and `steps`."""
+        """The wrapped optimizer, `steps` and `average`."""
         config = super().get_config()
         config["steps"] = self.steps
+        config["average"] = self.average
         return config
 
 

@@ -121,6 +121,22 @@ def test_clipping_acts_on_the_accumulated_gradient():
     np.testing.assert_allclose(v.numpy(), [-4.0])
 
 
+def test_accumulation_with_average_false_updates_with_the_sum_of_the_micro_steps_gradients():
+    clip = dm.clip_by_global_norm(100.0)
+    acc = dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(1.0), transform_gradients=clip), 3,
+                                  average=False)
+    v = tf.Variable([0.0, 0.0])
+    for g in ([3.0, 1.0], [5.0, -2.0], [-1.0, 0.5]):
+        acc.apply_gradients([(tf.constant(g), v)])
+    np.testing.assert_allclose(v.numpy(), [-7.0, 0.5])  # minus the sum, not the mean
+    assert float(clip.stats()["global_norm"]) == pytest.approx(np.hypot(7.0, 0.5))
+    assert int(acc.iterations.numpy()) == 1 and int(acc.micro_step.numpy()) == 3
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(acc))
+    assert again.average is False and again.steps == 3
+    with pytest.raises(TypeError, match="average='no'"):
+        dm.GradientAccumulation(base(), 2, average="no")
+
+
 @pytest.mark.parametrize("order", ["lso(acc(opt))", "acc(lso(opt))"])
 def test_stacking_orders_give_the_same_result(order):
     k = 2
