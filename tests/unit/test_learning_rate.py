@@ -79,9 +79,17 @@ def callbacks_of_a_real_job():
                                             steps_per_epoch=SPE, momentum_correction=False)]
 
 
-def test_epoch_schedule_gives_the_rates_the_callbacks_set_at_every_step():
-    _, rates, _, _ = fit(callbacks_of_a_real_job(), epochs=6)
-    schedule = hk.EpochSchedule(callbacks_of_a_real_job(), steps_per_epoch=SPE)
+def overlapping_callbacks():
+    """A staircase schedule inside a warmup: at each epoch's first batch both act and the
+    later one in the list wins; at the other batches only the warmup acts."""
+    return [hk.LearningRateWarmupCallback(LR, warmup_epochs=3, size=4, momentum_correction=False),
+            hk.LearningRateScheduleCallback(LR, 0.5, start_epoch=1, end_epoch=3, momentum_correction=False)]
+
+
+@pytest.mark.parametrize("make", [callbacks_of_a_real_job, overlapping_callbacks], ids=["in-turn", "overlapping"])
+def test_epoch_schedule_gives_the_rates_the_callbacks_set_at_every_step(make):
+    _, rates, _, _ = fit(make(), epochs=6)
+    schedule = hk.EpochSchedule(make(), steps_per_epoch=SPE)
     got = [float(schedule(tf.constant(s, tf.int64))) for s in range(len(rates))]
     np.testing.assert_allclose(got, rates, rtol=1e-6)
     assert len(set(np.round(rates, 9))) > 8  # the rates do change (warmup, steps, decay)
