@@ -206,6 +206,57 @@ def _broadcast(variables: Sequence[Any], root_rank: int) -> None:
         v.assign(hvd.broadcast(tf.convert_to_tensor(v), root_rank, name=f"dm_broadcast_{i}"))
 
 
+def load_model(filepath: str, custom_objects: dict | None = None, compile: bool = True,
+               compression: str = "none", custom_optimizers: Sequence[type] | None = None,
+               safe_mode: bool = True, **backend_options) -> keras.Model:
+    """Horovod's `hvd.load_model`: loads a `.keras` file and returns a model whose
+    optimizer aggregates through Horovod.
+
+    A plain Keras optimizer in the file (its state as saved) becomes
+    `dist_minimize.Optimizer.from_keras(optimizer, aggregate_gradients=
+    HorovodAggregator(compression=compression, **backend_options))`, and the model is
+    compiled again with it and the file's loss, metrics and other compile arguments. A
+    saved dist_minimize stack is kept as it is: its backend was saved with it.
+
+    Args:
+      filepath: the `.keras` file.
+      custom_objects: passed to `keras.saving.load_model`.
+      compile: False loads the model uncompiled (no optimizer to wrap).
+      compression: "none" or "fp16", for the wrapped plain optimizer.
+      custom_optimizers: optimizer classes the file may name (Horovod's argument), added
+        to `custom_objects` under their class names.
+      safe_mode: passed to `keras.saving.load_model`.
+      **backend_options: more `HorovodAggregator` options (reduction, sparse_as_dense,
+        process_set, ...).
+
+    Raises:
+      ValueError: `compression` or `backend_options` given for a file that holds a
+        dist_minimize stack (its backend is the saved one).
+    """
+    from dist_minimize.aggregation import HorovodAggregator
+    from dist_minimize.optimizer import Optimizer
+    from dist_minimize.staged import StagedOptimizer
+
+    objects = dict(custom_objects or {})
+    objects.update({cls.__name__: cls for cls in custom_optimizers or ()})
+    model = keras.saving.load_model(filepath, custom_objects=objects or None, compile=compile, safe_mode=safe_mode)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return model
+    if isinstance(optimizer, StagedOptimizer):
+        if compression != "none" or backend_options:
+            raise ValueError(
+                f"{filepath!r} holds a dist_minimize {type(optimizer).__name__}, whose aggregation backend was "
+                "saved with it; `compression` and backend options apply to a plain Keras optimizer only. "
+                f"Received: compression={compression!r}, {backend_options}")
+        return model
+    backend = HorovodAggregator(compression=compression, **backend_options)
+    config = keras.saving.deserialize_keras_object(model.get_compile_config())
+    config["optimizer"] = Optimizer.from_keras(optimizer, aggregate_gradients=backend)
+    model.compile(**config)
+    return model
+
+
 class BroadcastVariablesCallback(keras.callbacks.Callback):
     """Puts rank 0's model weights and optimizer state on every rank before the first step.
 

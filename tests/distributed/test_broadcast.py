@@ -29,16 +29,18 @@ WORKER = "tests/workers/broadcast_worker.py"
 RUNS = [run_param("horovod-gloo"), run_param("horovod-mpi")]
 
 
-def saved_model(path) -> str:
+def saved_model(path, plain=False) -> str:
     """A model as broadcast_worker.py builds it, trained 3 steps with SGD momentum on one
-    process (its momentum slots non-zero), saved as a .keras file."""
+    process (its momentum slots non-zero), saved as a .keras file; `plain`: Keras's SGD,
+    else wrapped in dm.Optimizer."""
     keras.utils.set_random_seed(5)
     model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
-    model.compile(optimizer=dm.Optimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    model.compile(optimizer=sgd if plain else dm.Optimizer(sgd), loss="mse")
     rng = np.random.default_rng(0)
     model.fit(rng.normal(size=(12, 6)).astype("float32"), rng.normal(size=(12, 3)).astype("float32"),
               batch_size=4, epochs=1, shuffle=False, verbose=0)
-    file = os.path.join(path, "model.keras")
+    file = os.path.join(path, "plain.keras" if plain else "model.keras")
     model.save(file)
     return file
 
@@ -48,7 +50,8 @@ def ranks(run: str, tmp_path_factory) -> list:
         out = tmp_path_factory.mktemp(f"broadcast-{run}")
         log = out / "log.txt"
         with open(log, "w") as f:
-            rc = launcher.launch(run, 2, [os.path.join(proc.ROOT, WORKER), str(out), saved_model(out)],
+            rc = launcher.launch(run, 2, [os.path.join(proc.ROOT, WORKER), str(out), saved_model(out),
+                                          saved_model(out, plain=True)],
                                  timeout=proc.JOB_TIMEOUT, out=f, child_output=f)
         assert rc == 0, log.read_text()[-5000:]
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -110,3 +113,17 @@ def test_sharded_state_broadcasts_what_every_rank_holds_and_shared_weights_stay_
     held = [{k for k in r["after_steps"]["optimizer"] if "/" in k} for r in results]
     assert held[0] and held[1] and not held[0] & held[1]
     assert len(held[0] | held[1]) == 4 * 2  # momentum and velocity of 4 variables
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_load_model_wraps_a_plain_optimizer_and_the_ranks_train_alike(run, tmp_path_factory):
+    """Every rank loads the file (a plain Keras SGD with momentum) with
+    `dm.horovod_keras.load_model` and fits on its own rows: the gradients are averaged
+    through Horovod, so the ranks stay equal; the file's momentum is kept."""
+    results = [r["load_model"] for r in ranks(run, tmp_path_factory)]
+    assert {r["optimizer"] for r in results} == {"Optimizer"}
+    assert_equal_on_every_rank([r["after_load"] for r in results])
+    momentum = [np.asarray(v) for k, v in results[0]["after_load"]["optimizer"].items() if k.endswith("/momentum")]
+    assert len(momentum) == 4 and max(float(np.max(np.abs(m))) for m in momentum) > 1e-3
+    assert_equal_on_every_rank([r["after_steps"] for r in results])
+    assert results[0]["after_steps"]["iterations"] == 6

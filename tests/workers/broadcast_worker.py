@@ -1,7 +1,7 @@
 """One rank of a broadcast job (tests/distributed/test_broadcast.py), under horovodrun or
 mpirun, any np.
 
-Usage: broadcast_worker.py OUT_DIR SAVED_MODEL
+Usage: broadcast_worker.py OUT_DIR SAVED_MODEL SAVED_PLAIN
 Cases, in order, in one job (a refused broadcast raises on every rank before anything is
 sent, so the ranks stay in step for the next case):
   resume       Horovod's resume pattern: rank 0 loads SAVED_MODEL (a dm.Optimizer(SGD with
@@ -15,6 +15,8 @@ sent, so the ranks stay in step for the next case):
                the broadcast sends the model and what every rank holds; then STEPS steps
   sharded_refused  the sharded stack trained STEPS steps on every rank, then rank 1
                starts a fresh one (another step count): refused, naming Checkpointer
+  load_model   every rank: `dm.horovod_keras.load_model(SAVED_PLAIN)` (a plain Keras SGD
+               with momentum in the file), then `fit` on its own rows
 Each rank writes OUT_DIR/rank{R}.json: per case, the weights and every optimizer variable
 it holds (by structural key) after the broadcast and after the steps, or the error.
 """
@@ -35,7 +37,7 @@ import dist_minimize as dm  # noqa: E402
 from dist_minimize.sharding import sharded_checkpoint  # noqa: E402
 
 STEPS = 3
-out_dir, saved = sys.argv[1:3]
+out_dir, saved, saved_plain = sys.argv[1:4]
 hvd = dm.horovod_keras.init()
 rank, size = hvd.rank(), hvd.size()
 rng = np.random.default_rng(100 + rank)  # each rank's own rows
@@ -135,7 +137,15 @@ def sharded_trained_then_fresh_on_rank_1():
     return model, optimizer
 
 
-results = {"resume": resume(fit=False), "resume_fit": resume(fit=True),
+def load_model():
+    model = dm.horovod_keras.load_model(saved_plain)
+    before = state(model, model.optimizer)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    return {"optimizer": type(model.optimizer).__name__, "after_load": before,
+            "after_steps": state(model, model.optimizer)}
+
+
+results = {"load_model": load_model(), "resume": resume(fit=False), "resume_fit": resume(fit=True),
            "other_model": refused(other_model), "other_stack": refused(other_stack),
            "sharded": sharded(), "sharded_refused": refused(sharded_trained_then_fresh_on_rank_1)}
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
