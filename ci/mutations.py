@@ -650,6 +650,11 @@ MUTATIONS = [
              "        if c.staircase:\n            epoch = step // per\n",
              "        if False:\n            epoch = step // per\n",
              ["tests/unit/test_learning_rate.py::test_epoch_schedule_gives_the_rates_the_callbacks_set_at_every_step"]),
+    Mutation("sync-bn-local-statistics", "SyncBatchNormalization uses the local batch's statistics",
+             "dist_minimize/horovod_keras/sync_batch_norm.py",
+             "    if distribute.horovod_size() == 1:\n        return tensor\n",
+             "    if True:\n        return tensor\n",
+             ["tests/distributed/test_sync_batch_norm.py::test_sync_batch_norm_on_n_ranks_is_batch_norm_on_one_device_with_the_whole_batch"]),
 ]
 
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 from dist_minimize import _compat
 from dist_minimize.horovod_keras.learning_rate import (  # noqa: F401
     EpochSchedule, LearningRateScheduleCallback, LearningRateWarmupCallback)
+from dist_minimize.horovod_keras.sync_batch_norm import SyncBatchNormalization  # noqa: F401
 
 
 def _hvd() -> Any:

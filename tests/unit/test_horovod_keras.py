@@ -1,4 +1,4 @@
-"""`dm.horovod_keras.load_model` (Horovod's `hvd.load_model`), in one process: a plain
+"""`dm.horovod_keras.load_model` (Horovod's `hvd.load_model`) and `SyncBatchNormalization`'s saving, in one process:
 Keras optimizer in the file becomes a dist_minimize stack aggregating through Horovod,
 with the file's optimizer state and compile arguments; a saved dist_minimize stack is
 kept. (Under horovodrun the loaded model trains identically on every rank:
@@ -56,3 +56,14 @@ def test_custom_optimizers_are_found_by_class_name(tmp_path):
     path, _ = saved(tmp_path, dm.Optimizer(MySGD(0.1)))
     loaded = dm.horovod_keras.load_model(path, custom_optimizers=[MySGD])
     assert type(loaded.optimizer.inner_optimizer) is MySGD
+
+
+def test_a_saved_sync_batch_norm_loads_as_itself_and_refuses_what_it_is_not(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), dm.horovod_keras.SyncBatchNormalization(momentum=0.7)])
+    model(np.ones((2, 3), "float32"), training=True)
+    model.save(tmp_path / "m.keras")
+    again = keras.saving.load_model(tmp_path / "m.keras")
+    assert type(again.layers[0]) is dm.horovod_keras.SyncBatchNormalization
+    np.testing.assert_array_equal(again.layers[0].moving_mean.numpy(), model.layers[0].moving_mean.numpy())
+    with pytest.raises(ValueError, match="synchronized=True"):
+        dm.horovod_keras.SyncBatchNormalization(synchronized=True)
