@@ -655,6 +655,21 @@ MUTATIONS = [
              "    if distribute.horovod_size() == 1:\n        return tensor\n",
              "    if True:\n        return tensor\n",
              ["tests/distributed/test_sync_batch_norm.py::test_sync_batch_norm_on_n_ranks_is_batch_norm_on_one_device_with_the_whole_batch"]),
+    Mutation("local-gradient-aggregated", "a rank-local variable's gradient is aggregated like a shared one",
+             "dist_minimize/step/local.py",
+             "        local = [self.contains(rule, v) for _, v in grads_and_vars]\n",
+             "        local = [False for _, v in grads_and_vars]\n",
+             ["tests/distributed/test_local_variables.py::test_local_gradients_are_each_ranks_own_scaled_and_the_clip_counts_them_all"]),
+    Mutation("local-norm-own-rank", "the global norm counts this rank's local gradients only",
+             "dist_minimize/step/local.py",
+             "            step.everyones = lambda values: _with_local_sums(values, local)\n",
+             "            pass\n",
+             ["tests/distributed/test_local_variables.py::test_local_gradients_are_each_ranks_own_scaled_and_the_clip_counts_them_all"]),
+    Mutation("local-guard-own-rank", "the non-finite guard decides from this rank's local gradients alone",
+             "dist_minimize/step/local.py",
+             '            step.sum = lambda value: distribute.sum_across(value, name="dm_local_sum")\n',
+             "            pass\n",
+             ["tests/distributed/test_local_variables.py::test_an_inf_in_one_ranks_local_gradient_skips_the_step_on_every_rank"]),
 ]
 
 

@@ -59,6 +59,7 @@ import tensorflow as tf
 from dist_minimize import distribute
 from dist_minimize.sharding import sharded_checkpoint
 from dist_minimize.sharding import sharded_state
+from dist_minimize.step import local
 from dist_minimize._stop_watcher import _StopWatcher
 
 PREFIX = "ckpt-"
@@ -144,6 +145,8 @@ class Checkpointer:
                 "number of processes), then save: checkpoints written sharded resume either way.")
         else:
             self._checkpoint().read(os.path.join(path, "state")).assert_existing_objects_matched()
+        if local.checkpointed(self.model, self.optimizer):
+            local.read(self.directory, os.path.basename(path), _task(), local.checkpointed(self.model, self.optimizer))
         self.step = self._saved = step
         return step
 
@@ -169,6 +172,8 @@ class Checkpointer:
             self._saved = self.step
             return sharded_checkpoint.save(self, name, _task())
         writer = self._is_writer()
+        if local.checkpointed(self.model, self.optimizer):  # each process's own, beside the shared file
+            local.write(self.directory, name, _task(), local.checkpointed(self.model, self.optimizer))
         tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
         if not writer and distribute.horovod_size() > 1:
             self._saved = self.step
@@ -329,6 +334,8 @@ class Checkpointer:
         names = sorted(n for n in os.listdir(self.directory) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
         for name in names[:-self.keep]:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        if names:
+            local.prune(self.directory, names[-self.keep:][0])
 
     def _any_worker(self, flag: bool) -> bool:
         """True on every worker when `flag` is True on any (one collective; none in one process)."""

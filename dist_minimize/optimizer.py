@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from dist_minimize import _compat, _keras_settings, aggregation
 from dist_minimize.sharding import sharded_state
-from dist_minimize.step import stages
+from dist_minimize.step import local, stages
 from dist_minimize.step.finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once
 from dist_minimize.step.context import CONTEXT
@@ -185,6 +185,7 @@ class Optimizer(StagedOptimizer):
         self._skip_nonfinite = skip_nonfinite
         self._skipped_steps = None
         self._sharding = sharded_state.Sharding(aggregating[0]) if shard_optimizer_state else None
+        self._local = local.LocalVariables()
         self._dm_constructed = True
 
     # -- stages --------------------------------------------------------------------------
@@ -209,6 +210,11 @@ class Optimizer(StagedOptimizer):
         once.note_aggregation(f"{type(self).__name__} {self.name!r}")
         if self._sharding is not None and self._sharding.active():
             return self._sharding.reduce_scatter(grads_and_vars)
+        if self._local:
+            return self._local.aggregate(self.inner_optimizer, list(grads_and_vars), self._aggregate)
+        return self._aggregate(grads_and_vars)
+
+    def _aggregate(self, grads_and_vars):
         for agg in self._aggregators:
             stage = f"aggregate_gradients ({_fn_name(agg)})"
             plan = agg.planned_collectives(grads_and_vars) if isinstance(agg, aggregation.Aggregator) else None
@@ -217,11 +223,43 @@ class Optimizer(StagedOptimizer):
             grads_and_vars = stages.check_stage_output(stage, grads_and_vars, out)
         return grads_and_vars
 
+    # -- rank-local variables (Horovod's register_local_var; dist_minimize.step.local) --
+
+    def register_local_var(self, variable) -> None:
+        """Horovod's `register_local_var` (see `dist_minimize.step.local`): `variable`'s
+        gradient is not aggregated across processes; each process updates its own copy
+        with its own gradient, divided by the process count when
+        `scale_local_gradients` (True, Horovod's default).
+
+        Raises:
+          ValueError: under a tf.distribute strategy of several replicas, with
+            `shard_optimizer_state=True`, or a `transform_gradients` callable without
+            `shards_state = True`.
+        """
+        self._local.register(self, variable)
+
+    register_local_source = register_local_var  # the custom-loop form of Horovod's tape's
+
+    def is_local(self, variable) -> bool:
+        """Whether `variable` was registered with `register_local_var`."""
+        return self._local.contains(self.inner_optimizer, variable)
+
     def shard(self, var_list: list) -> list:
         """The variables of `var_list` whose optimizer state this process keeps: all of
         them, or with `shard_optimizer_state=True` this process's share (the first call
         partitions the list: `dist_minimize.sharding.shards.Partition.balanced`)."""
         return list(var_list) if self._sharding is None else self._sharding.mine(var_list)
+
+    @property
+    def scale_local_gradients(self) -> bool:
+        """Whether rank-local gradients are divided by the process count (Horovod's default)."""
+        return self._local.scale
+
+    @scale_local_gradients.setter
+    def scale_local_gradients(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"`scale_local_gradients` must be a bool. Received: scale_local_gradients={value!r}")
+        self._local.scale = value
 
     @property
     def shard_optimizer_state(self) -> bool:
@@ -407,3 +445,4 @@ def _serialize_aggregator(agg):
         if not agg.get_config() or agg.get_config() == type(agg)().get_config():
             return agg.name
     return _serialize(agg)
+

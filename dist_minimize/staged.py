@@ -340,6 +340,12 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             out.append(out[-1].wrapped)
         return out
 
+    def register_local_var(self, variable) -> None:
+        """Horovod's `register_local_var`, on the stack's `Optimizer` (`Optimizer.register_local_var`)."""
+        self.stack()[-1].register_local_var(variable)
+
+    register_local_source = register_local_var
+
     def find(self, kind: type) -> "StagedOptimizer | None":
         """The outermost optimizer of the stack (self included) that is a `kind`, or None."""
         for opt in self.stack():

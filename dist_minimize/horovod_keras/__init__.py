@@ -84,7 +84,8 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int = 0) -> None:
     _broadcast(variables, root_rank)
 
 
-def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, root_rank: int = 0) -> None:
+def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, root_rank: int = 0,
+                                  local_variables: Sequence[Any] = ()) -> None:
     """Builds `optimizer` on the model's trainable variables, then puts the root rank's
     model weights and optimizer state on every rank.
 
@@ -106,6 +107,9 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
     the root's (state resumed through `dist_minimize.Checkpointer`, which restores each
     rank's share, or not trained yet).
 
+    Rank-local variables (`local_variables`, and those registered with the optimizer's
+    `register_local_var`) and their optimizer state are left as they are on every rank.
+
     Raises:
       ValueError (on every rank, before anything is sent): the model has no weights yet;
         the ranks' models or optimizer stacks differ (another model, stack, number,
@@ -119,7 +123,12 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
             f"model {model.name!r}")
     _check_root(root_rank)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
-    entries = [(f"model.variables[{i}]", v) for i, v in enumerate(model.variables)]
+    trainable = list(model.trainable_variables)
+    registered = getattr(optimizer, "stack", lambda: [None])()[-1] if optimizer is not None else None
+    local = {id(v) for v in local_variables} | {
+        id(v) for v in trainable if registered is not None and hasattr(registered, "is_local") and registered.is_local(v)}
+    local_index = {str(i) for i, v in enumerate(trainable) if id(v) in local}
+    entries = [(f"model.variables[{i}]", v) for i, v in enumerate(model.variables) if id(v) not in local]
     signature = []
     if optimizer is not None:
         from dist_minimize.sharding import sharded_checkpoint, sharded_state
@@ -129,8 +138,9 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
         layers = list(sharded_state.stack_of(optimizer))
         layers += [layers[-1].inner_optimizer] if hasattr(layers[-1], "inner_optimizer") else []
         signature.append(("the optimizer stack", (), " > ".join(type(o).__name__ for o in layers)))
-        keyed = sharded_checkpoint.held_by_key(optimizer, list(model.trainable_variables))
-        held = [(f"optimizer variable {key!r}", keyed[key]) for key in sorted(keyed)]
+        keyed = sharded_checkpoint.held_by_key(optimizer, trainable)
+        held = [(f"optimizer variable {key!r}", keyed[key]) for key in sorted(keyed)
+                if key.split(":", 1)[-1].split("/")[0] not in local_index or "/" not in key]
         if sharded_state.of(optimizer) is not None:
             held = _every_ranks(held, optimizer)
         entries += held
@@ -258,6 +268,73 @@ def load_model(filepath: str, custom_objects: dict | None = None, compile: bool 
     return model
 
 
+_OPS = {"average": "mean", "sum": "sum", "adasum": "adasum"}
+
+
+def DistributedOptimizer(optimizer: Any, compression: Any = "none", sparse_as_dense: bool = False,  # noqa: N802
+                         gradient_predivide_factor: float = 1.0, op: Any = "average",
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
+                         process_set: Any = None, scale_local_gradients: bool = True) -> Any:
+    """Horovod's `hvd.DistributedOptimizer`, with its arguments: the dist_minimize stack
+    that does what it does. A Keras optimizer becomes `dm.Optimizer.from_keras(optimizer,
+    aggregate_gradients=HorovodAggregator(...))` (the Keras settings translated: clipping
+    after aggregation); `backward_passes_per_step=K > 1` wraps it in
+    `GradientAccumulation(steps=K, average=average_aggregated_gradients)`.
+
+    `compression` is "none"/"fp16" or `hvd.Compression.none`/`.fp16`; `op` is
+    "average"/"sum"/"adasum" or `hvd.Average`/`hvd.Sum`/`hvd.Adasum`. Unlike Horovod,
+    `average_aggregated_gradients` defaults to True (the mean of the micro-steps, which is
+    one step on the K-times larger batch); pass False for Horovod's default sum.
+    """
+    from dist_minimize.aggregation import HorovodAggregator
+    from dist_minimize.optimizer import Optimizer
+    from dist_minimize.wrappers import GradientAccumulation
+
+    hvd = _compat.import_horovod()
+    names = {hvd.Average: "average", hvd.Sum: "sum", hvd.Adasum: "adasum"}
+    reduction = _OPS.get(names.get(op, op) if not isinstance(op, str) else op.lower())
+    if reduction is None:
+        raise ValueError(f"`op` must be hvd.Average, hvd.Sum or hvd.Adasum (or their names). Received: op={op!r}")
+    if not isinstance(compression, str):
+        compression = "fp16" if compression is hvd.Compression.fp16 else (
+            "none" if compression is hvd.Compression.none else repr(compression))
+    backend = HorovodAggregator(reduction=reduction, compression=compression, sparse_as_dense=sparse_as_dense,
+                                gradient_predivide_factor=gradient_predivide_factor, process_set=process_set)
+    stack = Optimizer.from_keras(optimizer, aggregate_gradients=backend)
+    stack.stack()[-1].scale_local_gradients = scale_local_gradients
+    if backward_passes_per_step != 1:
+        stack = GradientAccumulation(stack, steps=backward_passes_per_step, average=average_aggregated_gradients)
+    return stack
+
+
+def PartialDistributedOptimizer(optimizer: Any, local_layers: Sequence[keras.layers.Layer] = (),  # noqa: N802
+                                **kwargs) -> Any:
+    """Horovod's `hvd.PartialDistributedOptimizer`: `DistributedOptimizer(optimizer,
+    **kwargs)` (or the dist_minimize stack given, with no kwargs) with every trainable
+    weight of `local_layers` registered as rank-local (`register_local_var`).
+
+    Raises:
+      ValueError: a layer of `local_layers` is not built yet (it has no weights to
+        register), or kwargs given with a dist_minimize stack.
+    """
+    from dist_minimize.staged import StagedOptimizer
+
+    if isinstance(optimizer, StagedOptimizer):
+        if kwargs:
+            raise ValueError(f"PartialDistributedOptimizer takes no backend options with a dist_minimize stack (it "
+                             f"has its backend). Received: {sorted(kwargs)}")
+        stack = optimizer
+    else:
+        stack = DistributedOptimizer(optimizer, **kwargs)
+    for layer in local_layers:
+        if not layer.built:
+            raise ValueError(f"`local_layers`: layer {layer.name!r} is not built, so it has no weights to register "
+                             "as rank-local; build the model first (e.g. give it a keras.Input).")
+        for variable in layer.trainable_weights:
+            stack.register_local_var(variable)
+    return stack
+
+
 class BroadcastVariablesCallback(keras.callbacks.Callback):
     """Puts rank 0's model weights and optimizer state on every rank before the first step.
 
@@ -267,16 +344,19 @@ class BroadcastVariablesCallback(keras.callbacks.Callback):
 
     Args:
       root_rank: the rank whose values everyone takes.
+      local_variables: variables each rank keeps (Horovod's argument; those registered
+        with `register_local_var` are kept too).
     """
 
-    def __init__(self, root_rank: int = 0):
+    def __init__(self, root_rank: int = 0, local_variables: Sequence[Any] = ()):
         super().__init__()
         self.root_rank = root_rank
+        self.local_variables = list(local_variables)
         self._done = False
 
     def on_train_begin(self, logs=None):
         if not self._done:
-            broadcast_model_and_optimizer(self.model, self.model.optimizer, self.root_rank)
+            broadcast_model_and_optimizer(self.model, self.model.optimizer, self.root_rank, self.local_variables)
             self._done = True
 
 

@@ -46,22 +46,24 @@ def check_backends(aggregating: list, given) -> None:
         backend.check_shardable()
 
 
-def check_transforms(fns: list) -> None:
+def check_transforms(fns: list, setting: str = "shard_optimizer_state=True") -> None:
     """Raises ValueError naming each `transform_gradients` callable that does not declare
     `shards_state = True`: in a sharded step it receives this process's share of the
-    pairs only, so a quantity it computes over all of them (its own global norm) would be
-    computed over the share, silently wrong."""
+    pairs only, and with rank-local variables pairs whose gradients differ per process,
+    so a quantity it computes over all of them (its own global norm) would be this
+    process's part of it: silently wrong, or different per process."""
     refused = [getattr(fn, "__name__", None) or type(fn).__name__
                for fn in fns if getattr(fn, "shards_state", False) is not True]
     if refused:
         raise ValueError(
-            f"shard_optimizer_state=True: the `transform_gradients` callable(s) {', '.join(refused)} do not "
+            f"{setting}: the `transform_gradients` callable(s) {', '.join(refused)} do not "
             "declare `shards_state = True`. In a sharded step each process's `transform_gradients` receives only "
-            "the (gradient, variable) pairs of its own share, so a value computed over all the pairs it is given "
-            "(a global norm, a count) would be this process's part of it. Declare `shards_state = True` (a class "
+            "the (gradient, variable) pairs of its own share, and with rank-local variables pairs whose gradients "
+            "differ per process, so a value computed over all the pairs it is given (a global norm, a count) "
+            "would be this process's part of it. Declare `shards_state = True` (a class "
             "attribute of a `GradientTransform`, or an attribute of the function) when it works on each pair "
-            "alone; for a global norm use `dist_minimize.clip_by_global_norm`, which combines the shares "
-            "(docs/sharding.md).")
+            "alone or combines per-process values through `dist_minimize.step_context()`; for a global norm use "
+            "`dist_minimize.clip_by_global_norm`, which combines them (docs/sharding.md).")
 
 
 class Sharding:

@@ -67,3 +67,47 @@ def test_a_saved_sync_batch_norm_loads_as_itself_and_refuses_what_it_is_not(tmp_
     np.testing.assert_array_equal(again.layers[0].moving_mean.numpy(), model.layers[0].moving_mean.numpy())
     with pytest.raises(ValueError, match="synchronized=True"):
         dm.horovod_keras.SyncBatchNormalization(synchronized=True)
+
+
+@requires_horovod
+def test_distributed_optimizer_takes_horovods_arguments():
+    import horovod.tensorflow as hvd
+
+    opt = dm.horovod_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, clipnorm=1.0), compression=hvd.Compression.fp16,
+                                                op=hvd.Sum, backward_passes_per_step=4,
+                                                average_aggregated_gradients=False)
+    assert isinstance(opt, dm.GradientAccumulation) and opt.steps == 4 and opt.average is False
+    (backend,) = [t for t in opt.stack()[-1].transforms if isinstance(t, dm.aggregation.Aggregator)]
+    assert backend.compression == "fp16" and backend.reduction == "sum"
+    assert opt.clipnorm == 1.0
+    with pytest.raises(ValueError, match="op='max'"):
+        dm.horovod_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), op="max")
+
+
+@requires_horovod
+def test_partial_distributed_optimizer_registers_the_layers_weights_and_refuses_unbuilt_ones():
+    head = keras.layers.Dense(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2), head])
+    opt = dm.horovod_keras.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[head])
+    assert [opt.stack()[-1].is_local(v) for v in model.trainable_variables] == [False, False, True, True]
+    with pytest.raises(ValueError, match="not built"):
+        dm.horovod_keras.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[keras.layers.Dense(1)])
+
+
+def test_local_variables_are_refused_where_they_cannot_be_sound():
+    from conftest import mirrored_strategy
+
+    v = keras.Variable([1.0])
+    with pytest.raises(ValueError, match="shard_optimizer_state=True"):
+        dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True, aggregate_gradients="horovod",
+                     ).register_local_var(v)
+    with pytest.raises(ValueError, match=r"rank-local variables: the `transform_gradients` callable\(s\) my_clip"):
+        def my_clip(grads_and_vars):
+            return grads_and_vars
+        dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=my_clip).register_local_var(v)
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        mirrored = keras.Variable([1.0])
+        opt = dm.Optimizer(keras.optimizers.SGD(0.1))
+        with pytest.raises(ValueError, match="mirrored"):
+            opt.register_local_var(mirrored)
