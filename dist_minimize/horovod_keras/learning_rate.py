@@ -188,7 +188,8 @@ def set_rate(optimizer: Any, rate: float, momentum_correction: bool) -> None:
     optimizer.learning_rate = rate
     if momentum_correction and old and rate != old:
         rule = _update_rule(optimizer)
-        if rule.built:
+        momentum = getattr(rule, "momentum", 0.0)  # (Horovod corrects only a rule with a momentum)
+        if rule.built and isinstance(momentum, (int, float)) and momentum:
             factor = float(keras.ops.convert_to_numpy(optimizer.learning_rate)) / old
             for slot in _compat.momentum_slots(rule):
                 slot.assign(slot * tf.cast(factor, slot.dtype))

@@ -141,6 +141,13 @@ def test_momentum_correction_is_horovods_corrected_sgd_step():
     assert np.max(np.abs(plain.get_weights()[0][:, 0] - w)) > 1e-3  # the correction matters here
 
 
+def test_momentum_correction_leaves_a_rule_without_momentum_alone():
+    """As Horovod's: only a rule with a `momentum` is corrected (Adam has none)."""
+    _, rates, _, _ = fit([hk.LearningRateWarmupCallback(LR, warmup_epochs=2, size=4)], epochs=1,
+                         optimizer=dm.Optimizer(keras.optimizers.Adam(LR)))
+    np.testing.assert_allclose(rates, [horovod_warmup(0, b, 4, 2) for b in range(SPE)], rtol=1e-6)
+
+
 def test_momentum_correction_is_refused_for_nesterov_naming_the_way_out():
     with pytest.raises(ValueError, match=r"Nesterov SGD.*momentum_correction=False"):
         fit([hk.LearningRateWarmupCallback(LR, warmup_epochs=2, size=4)], epochs=1,
