@@ -305,3 +305,27 @@ def test_a_sharded_checkpoint_resumes_unsharded_in_one_process(tmp_path):
     resumed = _sharded_pair(False, seed=5)  # other weights: everything must come from the files
     run(resumed, str(tmp_path), PER_EPOCH)
     assert_identical(state(full), state(resumed))
+
+
+def test_a_checkpoint_of_a_loaded_model_restores_into_a_freshly_built_one(tmp_path):
+    """Keras names a loaded model's variables `dense/kernel` and a fresh one's
+    `sequential/dense/kernel` (and their slots after them): the checkpoint matches by
+    structure, so either restores into the other, optimizer state included."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=dm.Optimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    model.fit(np.ones((8, 3), "float32"), np.ones((8, 2), "float32"), batch_size=4, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.variables[0].path != model.variables[0].path  # the names do differ
+    dm.Checkpointer(str(tmp_path / "ckpt"), loaded).save()
+    keras.utils.set_random_seed(1)
+    fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    fresh.compile(optimizer=dm.Optimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    dm.Checkpointer(str(tmp_path / "ckpt"), fresh).restore()
+    for a, b in zip(loaded.get_weights(), fresh.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(loaded.optimizer.variables, fresh.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(fresh.optimizer.iterations.numpy()) == 2
+    assert max(float(np.max(np.abs(v.numpy()))) for v in fresh.optimizer.inner_optimizer.variables[2:]) > 0
