@@ -256,6 +256,6 @@ class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return tf.where(tf.logical_and(step >= start, last >= start), last, tf.constant(-1, tf.int64))
 
     def get_config(self):
-        raise NotImplementedError(
+        raise TypeError(
             "EpochSchedule holds callbacks whose multipliers may be any Python function; it is not saved in a "
             ".keras file. Save the weights, or rebuild the schedule when loading (custom_objects).")

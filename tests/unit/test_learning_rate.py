@@ -160,6 +160,7 @@ def test_momentum_correction_is_refused_for_nesterov_naming_the_way_out():
     (lambda: hk.LearningRateScheduleCallback(LR, 0.5, steps_per_epoch=0), ValueError, "steps_per_epoch=0"),
     (lambda: hk.EpochSchedule([], steps_per_epoch=4), TypeError, "callbacks=[]"),
     (lambda: hk.EpochSchedule(callbacks_of_a_real_job(), steps_per_epoch=2.5), ValueError, "steps_per_epoch=2.5"),
+    (lambda: hk.EpochSchedule(callbacks_of_a_real_job(), steps_per_epoch=4).get_config(), TypeError, "not saved"),
 ])
 def test_bad_arguments_are_named(make, error, needle):
     with pytest.raises(error) as raised:
