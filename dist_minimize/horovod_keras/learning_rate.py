@@ -32,19 +32,14 @@ from typing import Any, Callable, Sequence
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat
+from dist_minimize import _compat, distribute
 
 
 def world_size() -> int:
     """Horovod's size where Horovod is initialised, else the replicas of the strategy in
     scope (1 without one)."""
-    try:
-        hvd = _compat.import_horovod()
-        if hvd.is_initialized():
-            return hvd.size()
-    except ImportError:
-        pass
-    return tf.distribute.get_strategy().num_replicas_in_sync
+    hvd = distribute.horovod()
+    return hvd.size() if hvd is not None else tf.distribute.get_strategy().num_replicas_in_sync
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -148,13 +143,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
 
 def world_rank() -> int:
-    try:
-        hvd = _compat.import_horovod()
-        if hvd.is_initialized():
-            return hvd.rank()
-    except ImportError:
-        pass
-    return 0
+    hvd = distribute.horovod()
+    return hvd.rank() if hvd is not None else 0
 
 
 def _update_rule(optimizer: Any) -> keras.optimizers.Optimizer:
