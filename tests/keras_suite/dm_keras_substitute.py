@@ -1,5 +1,6 @@
 """pytest plugin: run Keras 3's own optimizer tests with every Keras optimizer class
-replaced by `dist_minimize.Optimizer(<that optimizer>)`.
+replaced by `dist_minimize.Optimizer.from_keras(<that optimizer>)` (the `Optimizer`, in the
+wrappers its `use_ema`, `gradient_accumulation_steps` or `loss_scale_factor` call for).
 
 Used by tests/unit/test_keras_own_suite.py on the test files installed with Keras
 (`keras/src/optimizers/*_test.py`); nothing of them is copied here. Load it with
@@ -9,7 +10,7 @@ What is substituted, in the test modules only (Keras itself and dist_minimize ke
 real classes):
 * each optimizer class (`Adam`, `SGD`, ... ; also reached as `optimizers.Adam` through
   `from keras.src import optimizers`): calling it returns
-  `dist_minimize.Optimizer(<the Keras class>(*args, **kwargs))`; `isinstance(x, Adam)`
+  `dist_minimize.Optimizer.from_keras(<the Keras class>(*args, **kwargs))`; `isinstance(x, Adam)`
   is true for a dist_minimize stack around a Keras Adam; `Adam.from_config(config)`
   builds the same stack;
 * `optimizers.get(...)`: Keras's result, wrapped the same way;
@@ -72,18 +73,18 @@ class Substitute(type):
 
 
 def _make_optimizer(cls, *args, **kwargs):
-    return dm.Optimizer(cls.keras_class(*args, **kwargs))
+    return dm.Optimizer.from_keras(cls.keras_class(*args, **kwargs))
 
 
 def _from_config(cls, config, custom_objects=None):
     if "optimizer" in config:  # a dist_minimize config
         return dm.Optimizer.from_config(config, custom_objects=custom_objects)
-    return dm.Optimizer(cls.keras_class.from_config(dict(config), custom_objects=custom_objects))
+    return dm.Optimizer.from_keras(cls.keras_class.from_config(dict(config), custom_objects=custom_objects))
 
 
 def _make_loss_scale(cls, inner_optimizer, initial_scale=2.0 ** 15, dynamic_growth_steps=2000, name=None, **kwargs):
     if not isinstance(inner_optimizer, StagedOptimizer):
-        inner_optimizer = dm.Optimizer(inner_optimizer)
+        inner_optimizer = dm.Optimizer.from_keras(inner_optimizer)
     return dm.LossScaleOptimizer(inner_optimizer, initial_scale=initial_scale, growth_interval=dynamic_growth_steps,
                                  name=name, **kwargs)
 
@@ -109,7 +110,7 @@ class _Proxy(types.ModuleType):
 def _get(identifier):
     obj = _PACKAGE.get(identifier)
     if isinstance(obj, _KERAS_BASE) and not isinstance(obj, (StagedOptimizer, _KERAS_LSO)):
-        return dm.Optimizer(obj)
+        return dm.Optimizer.from_keras(obj)
     return obj
 
 
