@@ -59,7 +59,7 @@ import tensorflow as tf
 from dist_minimize import distribute
 from dist_minimize.sharding import sharded_checkpoint
 from dist_minimize.sharding import sharded_state
-from dist_minimize.step import local
+from dist_minimize.sharding import local
 from dist_minimize._stop_watcher import _StopWatcher
 
 PREFIX = "ckpt-"

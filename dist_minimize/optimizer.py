@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from dist_minimize import _compat, _keras_settings, aggregation
 from dist_minimize.sharding import sharded_state
-from dist_minimize.step import local, stages
+from dist_minimize.sharding import local
+from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
 from dist_minimize.aggregation import once
 from dist_minimize.step.context import CONTEXT
@@ -223,10 +224,10 @@ class Optimizer(StagedOptimizer):
             grads_and_vars = stages.check_stage_output(stage, grads_and_vars, out)
         return grads_and_vars
 
-    # -- rank-local variables (Horovod's register_local_var; dist_minimize.step.local) --
+    # -- rank-local variables (Horovod's register_local_var; dist_minimize.sharding.local) --
 
     def register_local_var(self, variable) -> None:
-        """Horovod's `register_local_var` (see `dist_minimize.step.local`): `variable`'s
+        """Horovod's `register_local_var` (see `dist_minimize.sharding.local`): `variable`'s
         gradient is not aggregated across processes; each process updates its own copy
         with its own gradient, divided by the process count when
         `scale_local_gradients` (True, Horovod's default).
