@@ -145,8 +145,9 @@ class Checkpointer:
                 "number of processes), then save: checkpoints written sharded resume either way.")
         else:
             self._checkpoint().read(os.path.join(path, "state")).assert_existing_objects_matched()
-        if local.checkpointed(self.model, self.optimizer):
-            local.read(self.directory, os.path.basename(path), _task(), local.checkpointed(self.model, self.optimizer))
+        own = local.checkpointed(self.model, self.optimizer)
+        if own:
+            local.read(self.directory, os.path.basename(path), _task(), own)
         self.step = self._saved = step
         return step
 
@@ -172,8 +173,10 @@ class Checkpointer:
             self._saved = self.step
             return sharded_checkpoint.save(self, name, _task())
         writer = self._is_writer()
-        if local.checkpointed(self.model, self.optimizer):  # each process's own, beside the shared file
-            local.write(self.directory, name, _task(), local.checkpointed(self.model, self.optimizer))
+        own = local.checkpointed(self.model, self.optimizer)
+        if own:  # each process's own, beside the shared file, all written before rank 0 publishes
+            local.write(self.directory, name, _task(), own)
+            self._any_worker(False)
         tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
         if not writer and distribute.horovod_size() > 1:
             self._saved = self.step

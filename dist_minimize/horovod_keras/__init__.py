@@ -116,23 +116,31 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
         shape or dtype of variables: the first difference is named); sharded state
         whose ranks are at different steps.
     """
-    if not model.built or not model.variables:
-        raise ValueError(
-            "The model must be built before its weights can be broadcast: give it a "
-            "`keras.Input` or call `model.build(input_shape)` first. Received: an unbuilt "
-            f"model {model.name!r}")
     _check_root(root_rank)
     optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    from dist_minimize.sharding import sharded_checkpoint, sharded_state
+
+    # What decides the collectives below, agreed first, so that a refusal is every rank's.
+    built = bool(model.built and model.variables)
+    sharded = optimizer is not None and sharded_state.of(optimizer) is not None
+    states = _hvd().allgather_object((built, sharded))
+    if not all(b for b, _ in states):
+        raise ValueError(
+            "The model must be built on every rank before its weights can be broadcast: give it a "
+            "`keras.Input` or call `model.build(input_shape)` first. Received: an unbuilt model on rank(s) "
+            f"{[r for r, (b, _) in enumerate(states) if not b]} ({model.name!r} here)")
+    if len({s for _, s in states}) > 1:
+        raise ValueError(
+            "The ranks' optimizer stacks differ: shard_optimizer_state=True on rank(s) "
+            f"{[r for r, (_, s) in enumerate(states) if s]} only; nothing was broadcast.")
     trainable = list(model.trainable_variables)
     registered = getattr(optimizer, "stack", lambda: [None])()[-1] if optimizer is not None else None
     local = {id(v) for v in local_variables} | {
         id(v) for v in trainable if registered is not None and hasattr(registered, "is_local") and registered.is_local(v)}
-    local_index = {str(i) for i, v in enumerate(trainable) if id(v) in local}
+    local_index = {i for i, v in enumerate(trainable) if id(v) in local}
     entries = [(f"model.variables[{i}]", v) for i, v in enumerate(model.variables) if id(v) not in local]
     signature = []
     if optimizer is not None:
-        from dist_minimize.sharding import sharded_checkpoint, sharded_state
-
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         layers = list(sharded_state.stack_of(optimizer))
@@ -140,8 +148,8 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
         signature.append(("the optimizer stack", (), " > ".join(type(o).__name__ for o in layers)))
         keyed = sharded_checkpoint.held_by_key(optimizer, trainable)
         held = [(f"optimizer variable {key!r}", keyed[key]) for key in sorted(keyed)
-                if key.split(":", 1)[-1].split("/")[0] not in local_index or "/" not in key]
-        if sharded_state.of(optimizer) is not None:
+                if sharded_checkpoint.slot_index(key) not in local_index]
+        if sharded:
             held = _every_ranks(held, optimizer)
         entries += held
     _agree(signature + _signature(entries), root_rank, "broadcast_model_and_optimizer")
@@ -262,7 +270,8 @@ def load_model(filepath: str, custom_objects: dict | None = None, compile: bool 
                 f"Received: compression={compression!r}, {backend_options}")
         return model
     backend = HorovodAggregator(compression=compression, **backend_options)
-    config = keras.saving.deserialize_keras_object(model.get_compile_config())
+    with keras.saving.custom_object_scope(objects):
+        config = keras.saving.deserialize_keras_object(model.get_compile_config())
     config["optimizer"] = Optimizer.from_keras(optimizer, aggregate_gradients=backend)
     model.compile(**config)
     return model
@@ -273,7 +282,7 @@ _OPS = {"average": "mean", "sum": "sum", "adasum": "adasum"}
 
 def DistributedOptimizer(optimizer: Any, compression: Any = "none", sparse_as_dense: bool = False,  # noqa: N802
                          gradient_predivide_factor: float = 1.0, op: Any = "average",
-                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
+                         backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
                          process_set: Any = None, scale_local_gradients: bool = True) -> Any:
     """Horovod's `hvd.DistributedOptimizer`, with its arguments: the dist_minimize stack
     that does what it does. A Keras optimizer becomes `dm.Optimizer.from_keras(optimizer,
@@ -282,9 +291,9 @@ def DistributedOptimizer(optimizer: Any, compression: Any = "none", sparse_as_de
     `GradientAccumulation(steps=K, average=average_aggregated_gradients)`.
 
     `compression` is "none"/"fp16" or `hvd.Compression.none`/`.fp16`; `op` is
-    "average"/"sum"/"adasum" or `hvd.Average`/`hvd.Sum`/`hvd.Adasum`. Unlike Horovod,
-    `average_aggregated_gradients` defaults to True (the mean of the micro-steps, which is
-    one step on the K-times larger batch); pass False for Horovod's default sum.
+    "average"/"sum"/"adasum" or `hvd.Average`/`hvd.Sum`/`hvd.Adasum`. As in Horovod,
+    `average_aggregated_gradients` defaults to False (the sum of the micro-steps'
+    gradients); True is the mean, one step on the K-times larger batch.
     """
     from dist_minimize.aggregation import HorovodAggregator
     from dist_minimize.optimizer import Optimizer

@@ -3,7 +3,7 @@ same rates as a Keras `LearningRateSchedule` for custom loops and tf.distribute.
 
 `LearningRateScheduleCallback(initial_lr, multiplier, start_epoch, end_epoch, staircase,
 momentum_correction, steps_per_epoch)`: within epochs [start_epoch, end_epoch) the rate
-is `initial_lr * multiplier(epoch)` (a number `m` means `m ** epoch`), set at the first
+is `initial_lr * multiplier(epoch)` (a number `m` means `m ** (epoch - start_epoch)`), set at the first
 batch of each epoch (`staircase=True`) or at every batch with a fractional epoch
 `epoch + batch / steps_per_epoch` (`staircase=False`). Outside its epochs a callback sets
 nothing: the rate stays what was last set. `LearningRateWarmupCallback(initial_lr,
@@ -35,11 +35,13 @@ import tensorflow as tf
 from dist_minimize import _compat, distribute
 
 
-def world_size() -> int:
-    """Horovod's size where Horovod is initialised, else the replicas of the strategy in
-    scope (1 without one)."""
+def world_size(replicas: int | None = None) -> int:
+    """Horovod's size where Horovod is initialised, else `replicas` (a callback's model's
+    strategy), else the replicas of the strategy in scope (1 without one)."""
     hvd = distribute.horovod()
-    return hvd.size() if hvd is not None else tf.distribute.get_strategy().num_replicas_in_sync
+    if hvd is not None:
+        return hvd.size()
+    return replicas if replicas is not None else tf.distribute.get_strategy().num_replicas_in_sync
 
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
@@ -47,7 +49,9 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     Args:
       initial_lr: the rate the multiplier scales.
-      multiplier: a function of the (fractional) epoch, or a number `m` meaning `m ** epoch`.
+      multiplier: a function of the (fractional) epoch (called with a tensor inside
+        `EpochSchedule`: use `tf.where`, not `if`), or a number `m` meaning
+        `m ** (epoch - start_epoch)`.
       start_epoch, end_epoch: the epochs [start, end) it acts in (end None: no end).
       staircase: set the rate at each epoch's first batch (True) or at every batch.
       momentum_correction: rescale the momentum slots when the rate changes (SGD without
@@ -64,7 +68,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             raise ValueError("Parameter `initial_lr` is required. Received: initial_lr=None")
         if isinstance(multiplier, (int, float)):
             constant = float(multiplier)
-            self.multiplier = lambda epoch: constant ** epoch
+            self.multiplier = lambda epoch: constant ** (epoch - start_epoch)
         elif callable(multiplier):
             self.multiplier = multiplier
         else:
@@ -80,6 +84,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = 0
+        self.replicas = None  # the model's strategy's replicas, read at on_train_begin
 
     # -- the rule, shared with EpochSchedule --------------------------------------------
 
@@ -104,6 +109,8 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             self.steps_per_epoch = int(steps)
         if self.momentum_correction:
             check_momentum_correction(self.model.optimizer)
+        # (Keras runs callbacks outside the strategy's scope: its size is the model's.)
+        self.replicas = self.model.distribute_strategy.num_replicas_in_sync
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
@@ -128,7 +135,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                  steps_per_epoch: int | None = None, verbose: int = 0, size: int | None = None):
         def multiplier(epoch):
             epoch += 1.0 / self.steps_per_epoch
-            n = self.size if self.size is not None else world_size()
+            n = self.size if self.size is not None else world_size(self.replicas)
             return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
@@ -187,7 +194,8 @@ def set_rate(optimizer: Any, rate: float, momentum_correction: bool) -> None:
 
 class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """The rate a list of the callbacks above would set at each step (the optimizer's
-    step counter), for custom loops and tf.distribute: the last callback in the list
+    step counter), for custom loops and tf.distribute (a warmup without `size` takes
+    the size where the step runs: Horovod's, or the strategy's replicas): the last callback in the list
     among those that acted most recently, or `initial_learning_rate` before any acted
     (default: the first callback's `initial_lr`). Without momentum correction.
 
@@ -210,8 +218,6 @@ class EpochSchedule(keras.optimizers.schedules.LearningRateSchedule):
             if c.steps_per_epoch != steps_per_epoch:
                 raise ValueError(f"A callback's steps_per_epoch ({c.steps_per_epoch}) is not the schedule's "
                                  f"({steps_per_epoch}).")
-            if isinstance(c, LearningRateWarmupCallback) and c.size is None:
-                c.size = world_size()
         self.callbacks, self.steps_per_epoch = list(callbacks), steps_per_epoch
         self.initial_learning_rate = float(initial_learning_rate if initial_learning_rate is not None
                                            else callbacks[0].initial_lr)

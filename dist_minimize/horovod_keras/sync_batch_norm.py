@@ -70,17 +70,23 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         """Mean and variance of `x` over every rank's batch, per channel of `self.axis`."""
         axis = self.axis % len(x.shape)
         axes = [i for i in range(len(x.shape)) if i != axis]
-        if mask is None:
-            weights = tf.ones_like(x)
-        else:
-            weights = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), x.dtype), tf.shape(x))
-        count_and_sum = tf.stack([tf.reduce_sum(weights, axes), tf.reduce_sum(x * weights, axes)])
-        count, total = tf.unstack(_sum_over_ranks(count_and_sum))
-        mean = total / count
         shape = [1] * len(x.shape)
         shape[axis] = -1
-        deviations = tf.reduce_sum(weights * tf.square(x - tf.reshape(mean, shape)), axes)
-        return mean, _sum_over_ranks(deviations) / count
+        if mask is None:
+            kept = None
+            rows = tf.cast(tf.reduce_prod(tf.gather(tf.shape(x), axes)), x.dtype)
+            count = tf.fill(tf.shape(x)[axis:axis + 1], rows)
+        else:  # masked places count for nothing, whatever they hold (inf, NaN padding)
+            kept = tf.broadcast_to(tf.cast(tf.expand_dims(mask, -1), tf.bool), tf.shape(x))
+            x = tf.where(kept, x, tf.zeros_like(x))
+            count = tf.reduce_sum(tf.cast(kept, x.dtype), axes)
+        count, total = tf.unstack(_sum_over_ranks(tf.stack([count, tf.reduce_sum(x, axes)])))
+        count = tf.maximum(count, 1.0)  # every place masked on every rank: mean and variance 0, not NaN
+        mean = total / count
+        squares = tf.square(x - tf.reshape(mean, shape))
+        if kept is not None:
+            squares = tf.where(kept, squares, tf.zeros_like(squares))
+        return mean, _sum_over_ranks(tf.reduce_sum(squares, axes)) / count
 
 
 def _sum_over_ranks(tensor):

@@ -50,6 +50,16 @@ class LocalVariables:
                 "register_local_var with shard_optimizer_state=True: a rank-local variable's state is its own "
                 "process's, outside the partition of the shared ones; the two are not supported together. "
                 f"Received: {name!r}")
+        sets = [t for t in optimizer.transforms if getattr(t, "process_set", None) is not None]
+        if sets:
+            raise ValueError(
+                "register_local_var with a Horovod process set: rank-local gradients are scaled and combined over "
+                "every process, not the set's; not supported together. Received: " + repr(name))
+        if optimizer.built:
+            raise ValueError(
+                "register_local_var after the optimizer is built: a step already traced would aggregate the "
+                "variable's gradient; register rank-local variables before the first step (or `build`). "
+                f"Received: {name!r}")
         sharded_state.check_transforms(list(optimizer._gradient_fns), "rank-local variables")
         self.keys.add(_compat.variable_key(optimizer.inner_optimizer, variable))
 
@@ -59,6 +69,11 @@ class LocalVariables:
     def aggregate(self, rule, grads_and_vars: list, aggregate) -> list:
         """The shared pairs through `aggregate`, the local ones scaled by 1 / processes;
         registers the per-process combination for the rest of the step."""
+        if distribute.strategy_replicas() > 1:
+            raise ValueError(
+                "A step with rank-local variables runs under a tf.distribute strategy of "
+                f"{distribute.strategy_replicas()} replicas, whose variables are mirrored; rank-local variables "
+                "need Horovod (one replica per process).")
         local = [self.contains(rule, v) for _, v in grads_and_vars]
         shared = iter(aggregate([p for p, is_local in zip(grads_and_vars, local) if not is_local]))
         size = distribute.horovod_size()
@@ -97,10 +112,10 @@ def checkpointed(model, optimizer) -> list:
     from dist_minimize.sharding import sharded_checkpoint
 
     trained = list(model.trainable_variables)
-    local = {str(i) for i, v in enumerate(trained) if bottom.is_local(v)}
+    local = {i for i, v in enumerate(trained) if bottom.is_local(v)}
     keyed = sharded_checkpoint.held_by_key(optimizer, trained)
-    slots = [keyed[k] for k in sorted(keyed) if "/" in k and k.split(":", 1)[1].split("/")[0] in local]
-    return [v for i, v in enumerate(trained) if str(i) in local] + slots
+    slots = [keyed[k] for k in sorted(keyed) if sharded_checkpoint.slot_index(k) in local]
+    return [v for i, v in enumerate(trained) if i in local] + slots
 
 
 def file_of(directory: str, name: str, rank: int) -> str:

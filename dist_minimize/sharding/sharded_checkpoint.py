@@ -67,6 +67,12 @@ def held_by_key(optimizer, trained: list) -> dict:
     return out
 
 
+def slot_index(key: str) -> int | None:
+    """The index in `trained` of the variable whose slot `key` names (`"OWNER:INDEX/NAME"`,
+    `held_by_key`), None for a key of another variable (`"OWNER:NAME"`)."""
+    return int(key.split(":", 1)[1].split("/")[0]) if "/" in key else None
+
+
 def _layers(optimizer) -> list:
     """The optimizers of the stack, outermost first, and its update rule last."""
     stack = sharded_state.stack_of(optimizer)

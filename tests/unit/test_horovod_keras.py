@@ -48,6 +48,22 @@ def test_a_saved_dist_minimize_stack_is_kept_and_options_for_it_are_refused(tmp_
         dm.horovod_keras.load_model(path, compression="fp16")
 
 
+@requires_horovod
+def test_a_loss_known_only_through_custom_objects_is_found_when_recompiling(tmp_path):
+    @keras.saving.register_keras_serializable(package="test_hk_loss")
+    def my_loss(y, p):
+        return keras.ops.mean(keras.ops.abs(y - p))
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=my_loss)
+    model.fit(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), verbose=0)
+    model.save(tmp_path / "m.keras")
+    keras.saving.get_custom_objects().pop("test_hk_loss>my_loss")  # known only through custom_objects now
+    loaded = dm.horovod_keras.load_model(str(tmp_path / "m.keras"), custom_objects={"test_hk_loss>my_loss": my_loss})
+    assert isinstance(loaded.optimizer, dm.Optimizer) and loaded.loss is my_loss
+
+
 def test_custom_optimizers_are_found_by_class_name(tmp_path):
     @keras.saving.register_keras_serializable(package="test_hk")
     class MySGD(keras.optimizers.SGD):
@@ -109,9 +125,29 @@ def test_local_variables_are_refused_where_they_cannot_be_sound():
         def my_clip(grads_and_vars):
             return grads_and_vars
         dm.Optimizer(keras.optimizers.SGD(0.1), transform_gradients=my_clip).register_local_var(v)
+    built = dm.Optimizer(keras.optimizers.SGD(0.1))
+    built.build([v])
+    with pytest.raises(ValueError, match="after the optimizer is built"):
+        built.register_local_var(v)
     strategy = mirrored_strategy()
     with strategy.scope():
         mirrored = keras.Variable([1.0])
         opt = dm.Optimizer(keras.optimizers.SGD(0.1))
         with pytest.raises(ValueError, match="mirrored"):
             opt.register_local_var(mirrored)
+
+
+def test_sync_batch_norm_in_one_process_is_batch_norm_and_masked_places_count_for_nothing():
+    x = np.random.default_rng(0).normal(loc=3.0, size=(4, 5, 3)).astype("float32")
+    mask = np.array([[1, 1, 1, 0, 0]] * 4, bool)
+    sync, plain = dm.horovod_keras.SyncBatchNormalization(momentum=0.0), keras.layers.BatchNormalization(momentum=0.0)
+    for layer in (sync, plain):
+        layer.build(x.shape)
+    np.testing.assert_allclose(sync(x, training=True), plain(x, training=True), rtol=1e-5, atol=1e-5)
+    poisoned = np.where(mask[..., None], x, np.float32("nan"))  # padding may hold anything
+    sync(poisoned, training=True, mask=mask)
+    kept = x[:, :3].reshape(-1, 3).astype(np.float64)
+    np.testing.assert_allclose(sync.moving_mean.numpy(), kept.mean(axis=0), rtol=1e-6)
+    np.testing.assert_allclose(sync.moving_variance.numpy(), kept.var(axis=0), rtol=1e-5)
+    sync(x, training=True, mask=np.zeros((4, 5), bool))  # nothing kept anywhere: 0, not NaN
+    assert np.all(np.isfinite(sync.moving_mean.numpy())) and np.all(np.isfinite(sync.moving_variance.numpy()))

@@ -4,7 +4,7 @@ correction gives Horovod's corrected SGD step, and `EpochSchedule` gives the sam
 as a Keras schedule (custom loops, MirroredStrategy). The expected rates are Horovod's
 formulas written out here (horovod/_keras/callbacks.py): warmup
 `lr / size * ((epoch + batch / spe + 1 / spe) * (size - 1) / warmup_epochs + 1)`, a
-schedule `lr * multiplier(epoch)` (a number m: `m ** epoch`), staircase at each epoch's
+schedule `lr * multiplier(epoch)` (a number m: `m ** (epoch - start_epoch)`), staircase at each epoch's
 first batch; outside its epochs a callback sets nothing."""
 
 import keras
@@ -30,11 +30,12 @@ class Rates(keras.callbacks.Callback):
         self.rates.append(float(self.model.optimizer.learning_rate.numpy()))
 
 
-def fit(callbacks, epochs, optimizer=None, seed=0):
+def fit(callbacks, epochs, optimizer=None, seed=0, strategy=None):
     keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
-    model.compile(optimizer=optimizer or dm.Optimizer(keras.optimizers.SGD(LR)),
-                  loss=lambda y, p: tf.reduce_mean(p, axis=-1))
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+        model.compile(optimizer=optimizer or dm.Optimizer(keras.optimizers.SGD(LR)),
+                      loss=lambda y, p: tf.reduce_mean(p, axis=-1))
     x = np.random.default_rng(seed).normal(size=(SPE * 2, 3)).astype("float32")
     rates = Rates()
     history = model.fit(x, np.zeros((SPE * 2, 1), "float32"), batch_size=2, epochs=epochs, shuffle=False,
@@ -58,7 +59,7 @@ def test_warmup_rises_per_batch_from_lr_over_size_to_lr_then_stays():
 
 def test_schedule_staircase_with_a_number_is_exponential_per_epoch_inside_its_epochs():
     _, rates, _, _ = fit([hk.LearningRateScheduleCallback(LR, 0.5, start_epoch=1, end_epoch=3)], epochs=5)
-    per_epoch = [LR, LR * 0.5, LR * 0.25, LR * 0.25, LR * 0.25]  # epoch 0: the optimizer's own
+    per_epoch = [LR, LR, LR * 0.5, LR * 0.5, LR * 0.5]  # m ** (epoch - start_epoch); epoch 0: the optimizer's own
     np.testing.assert_allclose(rates, np.repeat(per_epoch, SPE), rtol=1e-6)
 
 
@@ -116,6 +117,17 @@ def test_epoch_schedule_in_a_custom_loop_under_mirrored_strategy():
         step()
         total += expected[s] * 2  # two replicas' ones, summed
     np.testing.assert_allclose(v.numpy(), [-total, -total], rtol=1e-5)
+
+
+def test_warmup_under_mirrored_strategy_takes_the_strategys_size():
+    """Keras runs callbacks outside the strategy's scope; the warmup's size is the model's
+    strategy's replicas (2 here), not 1."""
+    strategy = mirrored_strategy()
+    with strategy.scope():
+        optimizer = dm.Optimizer(keras.optimizers.SGD(LR))
+        _, rates, _, _ = fit([hk.LearningRateWarmupCallback(LR, warmup_epochs=2)], epochs=1, optimizer=optimizer,
+                             strategy=strategy)
+    np.testing.assert_allclose(rates, [horovod_warmup(0, b, 2, 2) for b in range(SPE)], rtol=1e-6)
 
 
 def test_momentum_correction_is_horovods_corrected_sgd_step():
