@@ -100,7 +100,7 @@ def _scale_factor(norm: tf.Tensor, clip: tf.Tensor, finite: tf.Tensor | None = N
     """`clip / norm` where the norm exceeds the bound, 1 where it does not (so a bound of
     +inf gives exactly 1), NaN where the norm is not finite: the non-finite guard then
     skips the step everywhere; `clip / inf = 0` would instead apply an all-zero step
-    (advancing `iterations` and decaying Adam's moments). Bitwise the former
+    (advancing `iterations` and decaying Adam's moments). Bitwise equal to
     `clip / max(norm, clip)` for a finite bound. `finite`: `is_finite(norm)`, when the
     caller has it already (one check per step)."""
     if finite is None:
