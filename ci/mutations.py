@@ -670,6 +670,11 @@ MUTATIONS = [
              '            step.sum = lambda value: distribute.sum_across(value, name="dm_local_sum")\n',
              "            pass\n",
              ["tests/distributed/test_local_variables.py::test_an_inf_in_one_ranks_local_gradient_skips_the_step_on_every_rank"]),
+    Mutation("constant-multiplier-from-epoch-0", "a constant multiplier counts epochs from 0, not from start_epoch",
+             "dist_minimize/horovod_keras/learning_rate.py",
+             "            self.multiplier = lambda epoch: constant ** (epoch - start_epoch)\n",
+             "            self.multiplier = lambda epoch: constant ** epoch\n",
+             ["tests/unit/test_learning_rate.py::test_schedule_staircase_with_a_number_is_exponential_per_epoch_inside_its_epochs"]),
 ]
 
 
