@@ -134,9 +134,8 @@ def broadcast_model_and_optimizer(model: keras.Model, optimizer: Any = None, roo
             "The ranks' optimizer stacks differ: shard_optimizer_state=True on rank(s) "
             f"{[r for r, (_, s) in enumerate(states) if s]} only; nothing was broadcast.")
     trainable = list(model.trainable_variables)
-    registered = getattr(optimizer, "stack", lambda: [None])()[-1] if optimizer is not None else None
-    local = {id(v) for v in local_variables} | {
-        id(v) for v in trainable if registered is not None and hasattr(registered, "is_local") and registered.is_local(v)}
+    is_local = getattr(sharded_state.stack_of(optimizer)[-1], "is_local", None) if optimizer is not None else None
+    local = {id(v) for v in local_variables} | {id(v) for v in trainable if is_local is not None and is_local(v)}
     local_index = {i for i, v in enumerate(trainable) if id(v) in local}
     entries = [(f"model.variables[{i}]", v) for i, v in enumerate(model.variables) if id(v) not in local]
     signature = []

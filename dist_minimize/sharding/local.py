@@ -106,13 +106,13 @@ def _with_local_sums(values: list, local: list) -> list:
 def checkpointed(model, optimizer) -> list:
     """The variables a checkpoint must hold per process: the rank-local trained variables
     of `optimizer`'s stack and their optimizer state, in an order every process shares."""
-    bottom = optimizer.stack()[-1] if hasattr(optimizer, "stack") else None
-    if bottom is None or not getattr(bottom, "_local", None):
+    is_local = getattr(sharded_state.stack_of(optimizer)[-1], "is_local", None)
+    trained = list(model.trainable_variables)
+    local = {i for i, v in enumerate(trained) if is_local is not None and is_local(v)}
+    if not local:
         return []
     from dist_minimize.sharding import sharded_checkpoint
 
-    trained = list(model.trainable_variables)
-    local = {i for i, v in enumerate(trained) if bottom.is_local(v)}
     keyed = sharded_checkpoint.held_by_key(optimizer, trained)
     slots = [keyed[k] for k in sorted(keyed) if sharded_checkpoint.slot_index(k) in local]
     return [v for i, v in enumerate(trained) if i in local] + slots

@@ -110,9 +110,8 @@ class GradientAccumulation(OptimizerWrapper):
         """
         if not self.built or distribute.strategy_replicas() > 1 or distribute.horovod_size() == 1:
             return
-        bottom = self.stack()[-1]  # a rank-local variable's accumulator is its rank's own: not shared
-        accumulators = [self.slot("accumulated", v) for v in self.trained_variables
-                        if not (hasattr(bottom, "is_local") and bottom.is_local(v))]
+        is_local = self.stack()[-1].is_local  # a rank-local variable's accumulator is its rank's own: not shared
+        accumulators = [self.slot("accumulated", v) for v in self.trained_variables if not is_local(v)]
         means = distribute.mean_across([tf.convert_to_tensor(a) for a in accumulators],
                                        name="dm_share_accumulators")
         for acc, mean in zip(accumulators, means):
