@@ -169,14 +169,15 @@ class Checkpointer:
             return None
         self._check_boundary()
         name = f"{PREFIX}{self.step:09d}"
-        if self._sharded:  # every process writes its share
+        own = local.checkpointed(self.model, self.optimizer)
+        if own:  # each process's own, beside the shared files, all written before rank 0 publishes
+            local.write(self.directory, name, _task(), own)
+        if self._sharded:  # every process writes its share (its barriers follow the local files)
             self._saved = self.step
             return sharded_checkpoint.save(self, name, _task())
-        writer = self._is_writer()
-        own = local.checkpointed(self.model, self.optimizer)
-        if own:  # each process's own, beside the shared file, all written before rank 0 publishes
-            local.write(self.directory, name, _task(), own)
+        if own:
             self._any_worker(False)
+        writer = self._is_writer()
         tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
         if not writer and distribute.horovod_size() > 1:
             self._saved = self.step

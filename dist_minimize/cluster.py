@@ -302,3 +302,78 @@ def exit_worker(code: int = 0, timeout: float = 60.0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# -- joining a MultiWorkerMirroredStrategy job in bounded time ----------------------------
+
+LOCAL_START_TIMEOUT = 30.0  # seconds, every worker on this machine
+CLUSTER_START_TIMEOUT = 300.0  # seconds, workers on other hosts (images to pull, nodes to boot)
+
+
+def start_timeout(environ: Mapping[str, str] | None = None) -> float | None:
+    """How long a worker waits for its peers: `DM_START_TIMEOUT` seconds (0: no bound),
+    else LOCAL_START_TIMEOUT when every worker of TF_CONFIG is on this machine and
+    CLUSTER_START_TIMEOUT otherwise."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get("DM_START_TIMEOUT", "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = -1.0
+        if not value >= 0:
+            raise ValueError(f"`DM_START_TIMEOUT` must be a number of seconds >= 0 (0: no bound). "
+                             f"Received: DM_START_TIMEOUT={raw!r}")
+        return value or None
+    workers = _tf_config_workers(environ)
+    local = all(w.rsplit(":", 1)[0] in ("localhost", "::1", "[::1]") or w.startswith("127.") for w in workers)
+    return LOCAL_START_TIMEOUT if local else CLUSTER_START_TIMEOUT
+
+
+def _tf_config_workers(environ: Mapping[str, str]) -> list[str]:
+    _from_tf_config(environ)  # (its errors)
+    config = json.loads(environ.get("TF_CONFIG") or "{}")
+    return list(config.get("cluster", {}).get("worker", []))
+
+
+def multi_worker_strategy(timeout: float | None | str = "auto", **kwargs: Any):
+    """`tf.distribute.MultiWorkerMirroredStrategy(**kwargs)`, joined in bounded time.
+
+    TensorFlow's constructor waits for every worker of TF_CONFIG to register (an hour by
+    default), silently, holding Python's lock, and catches SIGTERM meanwhile (its
+    preemption notifier), so neither a thread nor a signal handler of this process can
+    act. Here a watcher process (`dist_minimize.launch.join_watch`) ends this one if the
+    strategy is not made within `timeout` seconds ("auto": `start_timeout()`; None: no
+    bound), after printing which workers did not arrive (those whose address accepts no
+    connection); and a SIGTERM sent meanwhile ends it within a second (srun's,
+    Kubernetes' and the launcher's stops and restarts can act), provided the program
+    blocked SIGTERM before importing TensorFlow, whose threads inherit the mask:
+    `signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})` first thing (the main
+    job does); this call releases it once joined, and a SIGTERM held meanwhile acts
+    then. Ended: by SIGKILL, since TensorFlow catches SIGTERM while it waits.
+    """
+    import signal
+    import subprocess
+    import sys
+
+    import tensorflow as tf
+
+    if timeout == "auto":
+        timeout = start_timeout()
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ValueError(f"`timeout` must be a number of seconds > 0, None or 'auto'. Received: timeout={timeout!r}")
+    workers = _tf_config_workers(os.environ)
+    if len(workers) < 2:
+        return tf.distribute.MultiWorkerMirroredStrategy(**kwargs)
+    me = _from_tf_config(os.environ)
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "dist_minimize.launch.join_watch", str(os.getpid()), f"{timeout or 0:g}",
+         str(me.rank if me is not None else 0), *workers],
+        stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (this thread's; see above)
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(**kwargs)
+    finally:
+        watcher.stdin.close()  # joined (or failed): the watcher ends
+        watcher.wait()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

@@ -210,7 +210,7 @@ class Optimizer(StagedOptimizer):
         """
         once.note_aggregation(f"{type(self).__name__} {self.name!r}")
         if self._sharding is not None and self._sharding.active():
-            return self._sharding.reduce_scatter(grads_and_vars)
+            return self._sharding.reduce_scatter(grads_and_vars, self._local.scaled)
         if self._local:
             return self._local.aggregate(self.inner_optimizer, list(grads_and_vars), self._aggregate)
         return self._aggregate(grads_and_vars)
@@ -233,9 +233,9 @@ class Optimizer(StagedOptimizer):
         `scale_local_gradients` (True, Horovod's default).
 
         Raises:
-          ValueError: under a tf.distribute strategy of several replicas, with
-            `shard_optimizer_state=True`, or a `transform_gradients` callable without
-            `shards_state = True`.
+          ValueError: under a tf.distribute strategy of several replicas, with a
+            Horovod process set, after the optimizer is built, or with a
+            `transform_gradients` callable without `shards_state = True`.
         """
         self._local.register(self, variable)
 
@@ -248,8 +248,9 @@ class Optimizer(StagedOptimizer):
     def shard(self, var_list: list) -> list:
         """The variables of `var_list` whose optimizer state this process keeps: all of
         them, or with `shard_optimizer_state=True` this process's share (the first call
-        partitions the list: `dist_minimize.sharding.shards.Partition.balanced`)."""
-        return list(var_list) if self._sharding is None else self._sharding.mine(var_list)
+        partitions the list: `dist_minimize.sharding.shards.Partition.balanced`; a
+        rank-local variable is every process's own, outside the partition)."""
+        return list(var_list) if self._sharding is None else self._sharding.mine(var_list, self.is_local)
 
     @property
     def scale_local_gradients(self) -> bool:

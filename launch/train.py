@@ -367,9 +367,10 @@ def run_multiworker(args) -> float:
     import numpy as np
     import tensorflow as tf
 
+    import dist_minimize as dm
 
     timeout = float(os.environ.get("DM_COLLECTIVE_TIMEOUT", "60"))
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(
+    strategy = dm.cluster.multi_worker_strategy(  # joined within DM_START_TIMEOUT seconds, or ended
         communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout))
     task = strategy.cluster_resolver.task_id
     n = strategy.num_replicas_in_sync
@@ -457,8 +458,16 @@ def make_mirrored(replicas: int):
 
 
 def main(argv=None) -> int:
+    import signal
+
     args = parse_args(argv)
+    # Held from before TensorFlow starts its threads until this worker has joined its
+    # job (dm.cluster.multi_worker_strategy releases it), so that a SIGTERM meanwhile ends
+    # the worker; released at once on the other backends (one sent meanwhile acts then).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     backend = resolve_backend(args.backend)
+    if backend != "multiworker":
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if backend == "horovod":
         run_fit(args)
     elif backend == "multiworker":

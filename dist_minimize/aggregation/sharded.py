@@ -2,6 +2,17 @@
 once for any backend that provides three primitives: a reduce-scatter of equal-length
 flat buffers, an all-gather of equal-length flat buffers, and a sum of a scalar.
 
+Every process issues the step's collectives in one order, the order they are traced in:
+reduce-scatter buckets, then the sums over the shares (`in_order`), then the gather's
+buckets. Horovod's ops here wait for the other processes' matching op in the order each
+process issues them, so two processes that issue two collectives in opposite orders wait
+for each other forever; and a process that owns nothing in a bucket (more processes than
+variables, or its variables rank-local) has nothing whose data would order them. So each
+collective's input is computed from the previous one's result (`_after_value`: exact
+bits, a data dependency TensorFlow keeps; a control dependency on a constant buffer does
+not order anything), and a result this process does not read is kept in the graph
+(`_keep`: a Horovod op is not stateful, and TensorFlow drops one nothing reads).
+
 Layout: per bucket of variables of one dtype (`_buckets`: at most about BUCKET_BYTES),
 one flat buffer of `size * width` elements whose segment `r` holds the gradients (or, for
 the gather, the values) of the bucket's variables process `r` owns, zero-padded to
@@ -22,6 +33,7 @@ from typing import Callable, Sequence
 import tensorflow as tf
 
 from dist_minimize import distribute
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.step.stages import elements_of
 
 
@@ -78,6 +90,38 @@ def _dense(g):
     return tf.convert_to_tensor(g)
 
 
+_BITS = {2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
+def _after_value(value: tf.Tensor, previous) -> tf.Tensor:
+    """`value`, bit for bit, computed from `previous` (its first element's bits ANDed with
+    0, ORed into `value`'s): it runs once `previous` exists."""
+    if previous is None or tf.executing_eagerly():
+        return value
+    value = tf.convert_to_tensor(value)
+    bits = _BITS[value.dtype.size]
+    first = tf.reshape(previous, [-1])[0]
+    zero = tf.cast(tf.bitwise.bitwise_and(tf.bitcast(first, _BITS[first.dtype.size]), 0), bits)
+    return tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(value, bits), zero), value.dtype)
+
+
+def in_order(collective: Callable[[tf.Tensor], tf.Tensor], value: tf.Tensor) -> tf.Tensor:
+    """`collective(value)` as the step's next collective: after this process's previous
+    one (`ShardedStep.last`), and the one the next waits for. Outside a step: as it is."""
+    step = CONTEXT.sharded
+    if step is None:
+        return collective(value)
+    step.last = collective(_after_value(value, step.last))
+    return step.last
+
+
+def _keep(result: tf.Tensor) -> None:
+    """Keeps a collective whose result this process does not read in the graph: an
+    `Assert` that always holds (stateful, so TensorFlow runs it) reads it."""
+    if not tf.executing_eagerly():
+        tf.raw_ops.Assert(condition=tf.constant(True), data=[result], summarize=0)
+
+
 def _after(done: list):
     """The ordering of the next bucket: after the last bucket's collective (none before)."""
     return tf.control_dependencies(done[-1:])
@@ -101,6 +145,10 @@ def reduce_scatter(grads_and_vars: list, owners: Sequence[int], size: int, rank:
             buffer = tf.concat(parts, 0)
         mine = collective(buffer, k)
         done.append(mine)
+        if not segs[rank]:
+            _keep(mine)
+        if CONTEXT.sharded is not None:
+            CONTEXT.sharded.last = mine
         offset = 0
         for i in segs[rank]:
             n = elements_of(grads[i])
@@ -120,10 +168,13 @@ def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[in
     """
     items = [v if u else None for v, u in zip(variables, updated)]
     done = []
+    previous = CONTEXT.sharded.last if CONTEXT.sharded is not None else None
     for k, (dtype, segs, width) in enumerate(_buckets(owners, items, size)):
         with _after(done):
             own = _flat([tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in segs[rank]], width, dtype)
-        gathered = collective(own, k)
+        if not segs[rank]:  # padding alone: nothing orders it (see the module's note)
+            own = _after_value(own, previous)
+        gathered = previous = collective(own, k)
         pairs = []
         for r, seg in enumerate(segs):
             if r == rank:
@@ -133,6 +184,8 @@ def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[in
                 n = elements_of(variables[i])
                 pairs.append((variables[i], tf.reshape(gathered[offset:offset + n], variables[i].shape)))
                 offset += n
+        if not pairs:
+            _keep(gathered)
         # The next buffers wait for this bucket's writes: its gathered copy is then freed.
         written = (write or _assign)(pairs) if pairs else None
         done.append(written if written is not None and not tf.executing_eagerly() else gathered)

@@ -10,7 +10,10 @@ diverge: within the step, `StepContext.everyones_values` completes per-pair valu
 the local pairs' summed over the processes (a global norm adds every process's local
 squares) and `StepContext.sum_over_shards` adds across processes (the non-finite guard's
 decision is agreed), the same calls a sharded step answers; so a `transform_gradients`
-callable must declare `shards_state = True`, as with sharded state.
+callable must declare `shards_state = True`, as with sharded state. With sharded state
+(`shard_optimizer_state=True`) the partition leaves them out: every process owns its
+rank-local variables and their state (`Sharding.mine`), and their pairs are `scaled`,
+never reduce-scattered (`Sharding.reduce_scatter`).
 """
 
 from __future__ import annotations
@@ -45,11 +48,6 @@ class LocalVariables:
                 f"{distribute.strategy_replicas()} replicas a variable is mirrored (one value on every replica), "
                 "so it cannot hold each process's own; rank-local variables need Horovod (one replica per "
                 f"process). Received: {name!r}")
-        if optimizer.shard_optimizer_state:
-            raise ValueError(
-                "register_local_var with shard_optimizer_state=True: a rank-local variable's state is its own "
-                "process's, outside the partition of the shared ones; the two are not supported together. "
-                f"Received: {name!r}")
         sets = [t for t in optimizer.transforms if getattr(t, "process_set", None) is not None]
         if sets:
             raise ValueError(
@@ -66,20 +64,30 @@ class LocalVariables:
     def contains(self, rule, variable) -> bool:
         return bool(self.keys) and _compat.variable_key(rule, variable) in self.keys
 
-    def aggregate(self, rule, grads_and_vars: list, aggregate) -> list:
-        """The shared pairs through `aggregate`, the local ones scaled by 1 / processes;
-        registers the per-process combination for the rest of the step."""
+    def scaled(self, local_pairs: list) -> list:
+        """Rank-local (gradient, variable) pairs as the update takes them: each process's
+        own gradient, divided by the process count when `scale` (Horovod's default)."""
+        if not local_pairs:
+            return []
         if distribute.strategy_replicas() > 1:
             raise ValueError(
                 "A step with rank-local variables runs under a tf.distribute strategy of "
                 f"{distribute.strategy_replicas()} replicas, whose variables are mirrored; rank-local variables "
                 "need Horovod (one replica per process).")
-        local = [self.contains(rule, v) for _, v in grads_and_vars]
-        shared = iter(aggregate([p for p, is_local in zip(grads_and_vars, local) if not is_local]))
         size = distribute.horovod_size()
-        scale = self.scale and size > 1
-        out = [(map_gradient(g, lambda t: t / tf.cast(size, t.dtype)) if scale else g, v) if is_local
-               else next(shared) for (g, v), is_local in zip(grads_and_vars, local)]
+        if not self.scale or size == 1:
+            return list(local_pairs)
+        return [(map_gradient(g, lambda t: t / tf.cast(size, t.dtype)), v) for g, v in local_pairs]
+
+    def aggregate(self, rule, grads_and_vars: list, aggregate) -> list:
+        """The shared pairs through `aggregate`, the local ones `scaled`; registers the
+        per-process combination for the rest of the step. (With sharded state the
+        partition keeps them apart: `Sharding.reduce_scatter`.)"""
+        local = [self.contains(rule, v) for _, v in grads_and_vars]
+        scaled = iter(self.scaled([p for p, is_local in zip(grads_and_vars, local) if is_local]))
+        shared = iter(aggregate([p for p, is_local in zip(grads_and_vars, local) if not is_local]))
+        out = [next(scaled) if is_local else next(shared) for is_local in local]
+        size = distribute.horovod_size()
         step = CONTEXT.sharded
         if step is not None and size > 1:
             step.sum = lambda value: distribute.sum_across(value, name="dm_local_sum")

@@ -23,7 +23,7 @@ from dist_minimize import _compat, distribute
 from dist_minimize.sharding import shards
 from dist_minimize.step.stages import elements_of
 from dist_minimize.step.context import CONTEXT
-from dist_minimize.aggregation import once
+from dist_minimize.aggregation import once, sharded
 from dist_minimize.aggregation.strategy import one_replica_per_process
 
 logger = logging.getLogger("dist_minimize")
@@ -71,7 +71,8 @@ class Sharding:
 
     def __init__(self, backend):
         self._given = backend
-        self._owners: dict | None = None
+        self._owners: dict | None = None  # id(variable) -> owning process; this one for a rank-local
+        self._local: set = set()
         self._strategy = None  # the strategy the partition was made under
         self.size, self.rank = 1, 0
 
@@ -96,8 +97,10 @@ class Sharding:
                 "or mpirun, or train under MultiWorkerMirroredStrategy, or pass shard_optimizer_state=False.")
         return backend
 
-    def mine(self, var_list: list) -> list:
-        """This process's share of `var_list` (partitioned at the first call)."""
+    def mine(self, var_list: list, is_local=lambda v: False) -> list:
+        """This process's share of `var_list` (partitioned at the first call): its part of
+        the shared variables, and every rank-local one (`is_local`: each process holds
+        and updates its own, outside the partition)."""
         if self._owners is None:
             if distribute.strategy_replicas() > 1 and not one_replica_per_process():
                 raise ValueError(
@@ -111,16 +114,22 @@ class Sharding:
             # One process and no job ("auto" chose no aggregation): the switch does nothing.
             self.size, self.rank = backend.processes() if hasattr(backend, "processes") else (1, 0)
             self._strategy = tf.distribute.get_strategy()
-            partition = shards.Partition.balanced([elements_of(v) for v in var_list], self.size, self.rank)
-            self._owners = {id(v): r for v, r in zip(var_list, partition.owner)}
-            self._variables = list(var_list)
+            self._local = {id(v) for v in var_list if is_local(v)}
+            if self._local and distribute.strategy_replicas() > 1:
+                raise ValueError("shard_optimizer_state=True with rank-local variables runs under Horovod only: "
+                                 "a tf.distribute strategy mirrors every variable.")
+            self._variables = [v for v in var_list if id(v) not in self._local]
+            partition = shards.Partition.balanced([elements_of(v) for v in self._variables], self.size, self.rank)
+            self._owners = {id(v): r for v, r in zip(self._variables, partition.owner)}
+            self._owners.update((i, self.rank) for i in self._local)
             loads = partition.loads()
             if self.size == 1:
                 logger.info("shard_optimizer_state=True with one process: nothing to share, the whole state "
                             "stays here")
             else:
                 logger.info("shard_optimizer_state=True: %d variables over %d processes, elements per process "
-                            "%s (this is process %d)", len(var_list), self.size, loads, self.rank)
+                            "%s (this is process %d; %d rank-local variables besides)", len(self._variables),
+                            self.size, loads, self.rank, len(self._local))
         return [v for v in var_list if self.owner(v) == self.rank]
 
     def owner(self, variable) -> int:
@@ -141,12 +150,15 @@ class Sharding:
         return contextlib.nullcontext()
 
     def gather(self) -> None:
-        """Outside a step: every process's share of the trained variables written on every
-        process (an all-gather; every process calls it)."""
+        """Outside a step: every process's share of the shared trained variables written
+        on every process (an all-gather; every process calls it)."""
         if self._owners is not None and self.size > 1:
             variables = self._variables
             with self._scope():
                 self.backend().all_gather(variables, [True] * len(variables), [self.owner(v) for v in variables])
+
+    def is_local(self, variable) -> bool:
+        return id(variable) in self._local
 
     def held_elsewhere(self, variable) -> bool:
         """Whether `variable` is one of the stack's, its state held by another process."""
@@ -156,27 +168,35 @@ class Sharding:
         """Whether this step is sharded: inside a step's update, with several processes."""
         return self._owners is not None and self.size > 1 and CONTEXT.sharded is not None
 
-    def reduce_scatter(self, grads_and_vars: list) -> list:
-        """This process's share of the aggregated gradients; registers the step's scalar
-        sum and its all-gather (`shards.ShardedStep`)."""
+    def reduce_scatter(self, grads_and_vars: list, scale_local=lambda pairs: pairs) -> list:
+        """This process's share of the aggregated gradients, and its rank-local pairs as
+        `scale_local` gives them (never aggregated); registers the step's scalar sum and
+        its all-gather (`shards.ShardedStep`)."""
         backend = self.backend()
         grads_and_vars = list(grads_and_vars)
-        owners = [self.owner(v) for _, v in grads_and_vars]
-        plan = backend.planned_reduce_scatters(grads_and_vars, owners)
+        local = [self.is_local(v) for _, v in grads_and_vars]
+        owners = [self.owner(v) for _, v in grads_and_vars]  # a rank-local variable's: this process
+        shared = [(p, o) for p, o, is_local in zip(grads_and_vars, owners, local) if not is_local]
+        plan = backend.planned_reduce_scatters([p for p, _ in shared], [o for _, o in shared])
         with once.planned(plan, f"`aggregate_gradients ({backend.name}, sharded)`"):
-            out = backend.reduce_scatter(grads_and_vars, owners)
+            mine = iter(backend.reduce_scatter([p for p, _ in shared], [o for _, o in shared]))
+        scaled = iter(scale_local([p for p, is_local in zip(grads_and_vars, local) if is_local]))
+        out = [next(scaled) if is_local else next(mine)
+               for o, is_local in zip(owners, local) if o == self.rank]
         step = CONTEXT.sharded
-        variables = [v for _, v in grads_and_vars]
-        updated = [g is not None for g, _ in grads_and_vars]
-        step.sum = backend.sum_scalar
+        variables = [v for _, v in grads_and_vars if not self.is_local(v)]
+        updated = [g is not None for g, v in grads_and_vars if not self.is_local(v)]
+        step.sum = lambda value: sharded.in_order(backend.sum_scalar, value)
         step.owns = lambda v: self.owner(v) == self.rank
         step.positions = [i for i, owner in enumerate(owners) if owner == self.rank]
         step.everyones = lambda values: _everyones(backend, grads_and_vars, owners, self.rank, values)
-        step.gather = lambda: backend.all_gather(variables, updated, owners)
+        step.gather = lambda: backend.all_gather(variables, updated, [self.owner(v) for v in variables])
         return out
 
 
 def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: list) -> list:
+    """Per-pair values summed over the processes: a shared pair's from its owner, a
+    rank-local pair's (owned by every process) every process's added."""
     mine = [i for i, owner in enumerate(owners) if owner == rank]
     if len(values) != len(mine):
         raise ValueError(f"A sharded step's per-pair values must be one per pair of this process's share "
@@ -188,7 +208,7 @@ def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: l
     dtype = next((v.dtype for v in values if v is not None), tf.float32)
     zero = tf.zeros([], dtype)
     vector = tf.stack([given[i] if given.get(i) is not None else zero for i in present])
-    return tf.unstack(backend.sum_scalar(vector))
+    return tf.unstack(sharded.in_order(backend.sum_scalar, vector))
 
 
 def stack_of(optimizer) -> list:

@@ -26,9 +26,12 @@ class ShardedStep:
     process updates a variable (`owns`), the places of its pairs among the step's
     (`positions`), how to complete per-pair values with every process's (`everyones`)
     and to add a scalar across processes (`sum`), and how to gather the updated
-    variables after the update (`gather`)."""
+    variables after the update (`gather`); `last`: the result of this process's latest
+    collective of the step, which the next one is computed after
+    (`dist_minimize.aggregation.sharded.in_order`)."""
 
     def __init__(self):
+        self.last: Any = None
         self.sum: Callable | None = None
         self.gather: Callable[[], None] | None = None
         self.owns: Callable | None = None

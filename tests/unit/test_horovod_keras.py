@@ -110,13 +110,6 @@ def test_partial_distributed_optimizer_registers_the_layers_weights_and_refuses_
         dm.horovod_keras.PartialDistributedOptimizer(keras.optimizers.SGD(0.1), local_layers=[keras.layers.Dense(1)])
 
 
-@requires_horovod
-def test_local_variables_are_refused_with_sharded_state():
-    with pytest.raises(ValueError, match="shard_optimizer_state=True"):
-        dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True, aggregate_gradients="horovod",
-                     ).register_local_var(keras.Variable([1.0]))
-
-
 def test_local_variables_are_refused_where_they_cannot_be_sound():
     from conftest import mirrored_strategy
 

@@ -1,16 +1,19 @@
 """One rank of a rank-local-variables job (tests/distributed/test_local_variables.py),
 under horovodrun -np N.
 
-Usage: local_worker.py OUT_DIR
+Usage: local_worker.py OUT_DIR [sharded]
 A shared Dense(3) and a per-rank head Dense(1) (registered through
-`dm.horovod_keras.PartialDistributedOptimizer(dm.Optimizer(SGD(LR), clip by global norm
-CLIP, a poison multiplier before aggregation), local_layers=[head])`); each rank starts its head from its own seed and gets its own rows.
+`dm.horovod_keras.PartialDistributedOptimizer(dm.Optimizer(SGD(LR, MOMENTUM), clip by
+global norm CLIP, a poison multiplier before aggregation), local_layers=[head])`); each
+rank starts its head from its own seed and gets its own rows. With `sharded`, the same
+with `shard_optimizer_state=True` (the shared kernel's momentum on one rank, each head's
+on its own rank).
 1. the broadcast: shared weights from rank 0, each head kept;
 2. STEPS steps; before each, the expected new weights from an independent reference
    (a plain GradientTape on this rank, every rank's gradients gathered with
    `allgather_object`, Horovod's rule in NumPy: shared gradient the mean over ranks, a
    local one divided by the rank count, the clip factor from the norm of both with every
-   rank's local part);
+   rank's local part, SGD's momentum);
 3. a step whose local gradient is inf on the last rank only: skipped on every rank.
 Writes OUT_DIR/rank{R}.json.
 """
@@ -28,8 +31,9 @@ import tensorflow as tf  # noqa: E402
 
 import dist_minimize as dm  # noqa: E402
 
-STEPS, LR, CLIP = 3, 0.5, 0.3
+STEPS, LR, CLIP, MOMENTUM = 3, 0.5, 0.3, 0.5
 out_dir = sys.argv[1]
+SHARDED = sys.argv[2:] == ["sharded"]
 hvd = dm.horovod_keras.init()
 rank, size = hvd.rank(), hvd.size()
 rng = np.random.default_rng(10 + rank)
@@ -47,8 +51,9 @@ def poisoned(grads_and_vars):
     return [(g * poison if v is head.kernel else g, v) for g, v in grads_and_vars]
 
 
-stack = dm.Optimizer(keras.optimizers.SGD(LR), transform_unaggregated_gradients=poisoned,
-                     aggregate_gradients="horovod", transform_gradients=dm.clip_by_global_norm(CLIP))
+stack = dm.Optimizer(keras.optimizers.SGD(LR, momentum=MOMENTUM), transform_unaggregated_gradients=poisoned,
+                     aggregate_gradients="horovod", transform_gradients=dm.clip_by_global_norm(CLIP),
+                     shard_optimizer_state=SHARDED)
 optimizer = dm.horovod_keras.PartialDistributedOptimizer(stack, local_layers=[head])
 head_before = head.kernel.numpy().copy()
 dm.horovod_keras.broadcast_model_and_optimizer(model, optimizer)
@@ -67,6 +72,9 @@ def step(xb, yb):
     optimizer.minimize(loss, model.trainable_variables, tape=tape)
 
 
+velocity = {"shared": 0.0, "head": 0.0}  # Keras SGD: m = MOMENTUM * m - LR * g; w += m
+
+
 def expected(xb, yb):
     with tf.GradientTape() as tape:
         loss = loss_of(xb, yb)
@@ -76,8 +84,9 @@ def expected(xb, yb):
     locals_ = [h / size for _, h in everyone]
     norm = np.sqrt(np.sum(mean_shared ** 2) + sum(np.sum(h ** 2) for h in locals_))
     factor = min(1.0, CLIP / norm)
-    return (shared.kernel.numpy() - LR * factor * mean_shared, head.kernel.numpy() - LR * factor * locals_[rank],
-            factor)
+    velocity["shared"] = MOMENTUM * velocity["shared"] - LR * factor * mean_shared
+    velocity["head"] = MOMENTUM * velocity["head"] - LR * factor * locals_[rank]
+    return shared.kernel.numpy() + velocity["shared"], head.kernel.numpy() + velocity["head"], factor
 
 
 errors, factors = [], []
@@ -88,7 +97,8 @@ for s in range(STEPS):
                       float(np.max(np.abs(head.kernel.numpy() - want_head)))))
     factors.append(factor)
 results["steps"] = {"errors": errors, "factors": factors, "shared": shared.kernel.numpy().tolist(),
-                    "head": head.kernel.numpy().tolist(), "iterations": int(optimizer.iterations.numpy())}
+                    "head": head.kernel.numpy().tolist(), "iterations": int(optimizer.iterations.numpy()),
+                    "state_bytes": dm.optimizer_state_bytes(optimizer)}
 
 before = {"shared": shared.kernel.numpy().copy(), "head": head.kernel.numpy().copy()}
 if rank == size - 1:
@@ -103,15 +113,18 @@ results["inf_on_last_rank"] = {
 poison.assign(1.0)
 ckpt_dir = os.path.join(out_dir, "ckpt")
 saved = [w.copy() for w in model.get_weights()]
+held = dm.sharding.sharded_state.held_variables(optimizer)
+saved_state = [v.numpy().copy() for v in held]
 checkpointer = dm.Checkpointer(ckpt_dir, model, optimizer, every=10 ** 6)
 checkpointer.step = 4
 checkpointer.save()
 hvd.allgather_object(0)  # (rank 0 has published)
-for w in model.variables:
+for w in list(model.variables) + held:
     w.assign(tf.zeros_like(w))
 restored_step = dm.Checkpointer(ckpt_dir, model, optimizer, every=10 ** 6).restore()
 results["checkpoint"] = {"step": restored_step,
                          "restored": all(np.array_equal(a, b) for a, b in zip(saved, model.get_weights())),
+                         "state_restored": all(np.array_equal(a, v.numpy()) for a, v in zip(saved_state, held)),
                          "head": head.kernel.numpy().tolist()}
 
 # the same without a clip (whose norm would carry the inf to every rank): the guard's
