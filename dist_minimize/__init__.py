@@ -10,7 +10,9 @@ Public API:
   callbacks: Keras callbacks (`GradientStatsLogger`).
   Checkpointer (module checkpoint): exact resume after a lost or preempted worker.
   horovod_keras: Keras 3 + Horovod (broadcast, metric averaging, rank-0 output, sharding).
-  cluster: rank/size discovery (horovodrun, mpirun, srun, TF_CONFIG), Horovod from mpi4py.
+  cluster: rank/size discovery (horovodrun, mpirun, srun, TF_CONFIG), Horovod from mpi4py,
+    a MultiWorkerMirroredStrategy joined in bounded time.
+  elastic: a fixed global batch of fixed micro-batches on any number of workers.
   launcher: horovodrun / mpirun / multi-worker / mirrored launches.
   privacy: DP-SGD accounting (`epsilon`, from dp-accounting's RDP accountant).
 
@@ -21,7 +23,7 @@ attribute and no import machinery (tests/unit/test_isolation.py, test_import.py)
 """
 
 from dist_minimize import (  # noqa: F401
-    aggregation, callbacks, checkpoint, cluster, distribute, horovod_keras, launcher, privacy)
+    aggregation, callbacks, checkpoint, cluster, distribute, elastic, horovod_keras, launcher, privacy)
 from dist_minimize._compat import MissingDependencyError  # noqa: F401
 from dist_minimize.checkpoint import Checkpointer  # noqa: F401
 from dist_minimize.sharding.sharded_state import state_bytes as optimizer_state_bytes  # noqa: F401
@@ -88,6 +90,7 @@ __all__ = [
     "Checkpointer",
     "optimizer_state_bytes",
     "cluster",
+    "elastic",
     "distribute",
     "horovod_keras",
     "integrate",

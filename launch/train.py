@@ -65,6 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dp-delta", type=float, default=1e-5, help="DP-SGD: the delta epsilon is reported for")
     p.add_argument("--accumulate", type=int, default=None, metavar="K",
                    help="dm.GradientAccumulation(steps=K): one update per K batches")
+    p.add_argument("--micro-batch", type=int, default=None, metavar="B",
+                   help="horovod: the global batch in micro-batches of B samples, each process accumulating "
+                        "G / (N * B) of them per update: the same training on any number of processes "
+                        "(dist_minimize.elastic)")
     p.add_argument("--shard-optimizer-state", action="store_true",
                    help="each process keeps the optimizer state of its share of the weights "
                         "(horovod-gloo, horovod-mpi, multiworker launchers)")
@@ -79,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.accumulate is not None and args.accumulate < 1:
         p.error(f"--accumulate must be >= 1. Received: --accumulate={args.accumulate}")
+    if args.micro_batch is not None and args.accumulate is not None:
+        p.error("--micro-batch sets the accumulation (G / (N * B) micro-batches per process): drop --accumulate. "
+                f"Received: --micro-batch={args.micro_batch} --accumulate={args.accumulate}")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be >= 1. Received: --checkpoint-every={args.checkpoint_every}")
     if args.replicas < 1:
@@ -313,6 +320,18 @@ def run_fit(args, strategy=None) -> float:
         def train():
             return dm.horovod_keras.shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))).batch(
                 local_batch, drop_remainder=True)
+        if args.micro_batch is not None:  # the same micro-batches, and sums, on any number of processes
+            try:
+                args.accumulate = dm.elastic.accumulation_steps(args.global_batch, args.micro_batch, size)
+            except ValueError as e:
+                raise SystemExit(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: {e}")
+            local_batch = args.micro_batch
+
+            def train():
+                return dm.elastic.micro_batches(tf.data.Dataset.from_tensor_slices((x_train, y_train)),
+                                                args.global_batch, args.micro_batch, size, rank, len(x_train))
+            print(f"[train] workers {size}, micro-batches per update {args.accumulate}, global batch "
+                  f"{args.global_batch}", flush=True)
         callbacks = [dm.horovod_keras.BroadcastVariablesCallback(), dm.horovod_keras.MetricAverageCallback()]
         verbose = dm.horovod_keras.verbosity(2)
         scope = None
@@ -370,6 +389,9 @@ def run_multiworker(args) -> float:
     import dist_minimize as dm
 
     timeout = float(os.environ.get("DM_COLLECTIVE_TIMEOUT", "60"))
+    if args.micro_batch is not None:
+        raise SystemExit("--micro-batch runs on the horovod backend only here (horovod-gloo, horovod-mpi, mpirun). "
+                         f"Received: --micro-batch={args.micro_batch} with --backend multiworker")
     strategy = dm.cluster.multi_worker_strategy(  # joined within DM_START_TIMEOUT seconds, or ended
         communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout))
     task = strategy.cluster_resolver.task_id
@@ -478,6 +500,9 @@ def main(argv=None) -> int:
         # heartbeat to a worker that is gone (which TensorFlow reports as a gRPC error).
         cluster.exit_worker(0)
     else:
+        if args.micro_batch is not None:
+            raise SystemExit("--micro-batch runs on the horovod backend only here (horovod-gloo, horovod-mpi, "
+                             f"mpirun). Received: --micro-batch={args.micro_batch} with --backend {backend}")
         run_fit(args, make_mirrored(args.replicas))
     return 0
 
