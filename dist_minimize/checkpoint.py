@@ -134,7 +134,15 @@ class Checkpointer:
             return 0
         step, path = found
         with open(os.path.join(path, "meta.json")) as f:
-            sharded = json.load(f).get("sharded")
+            meta = json.load(f)
+        sharded = meta.get("sharded")
+        written_micro = meta.get("micro_steps_per_update", self._micro)
+        if written_micro != self._micro:
+            raise ValueError(
+                f"The checkpoint {path} was written by a job making {written_micro} micro-batches per update; "
+                f"this one makes {self._micro}, so its position ({step} micro-batches) would mean another "
+                "update. Resume with the same accumulation (a --micro-batch job on another number of workers "
+                "cannot resume yet: docs/elastic.md).")
         if sharded is not None:  # written sharded: read back on any number of processes
             self._checkpoint(sharded).read(os.path.join(path, "state")).assert_existing_objects_matched()
             sharded_checkpoint.read(path, sharded, self.optimizer, self.model.trainable_variables)

@@ -358,22 +358,25 @@ def multi_worker_strategy(timeout: float | None | str = "auto", **kwargs: Any):
 
     import tensorflow as tf
 
-    if timeout == "auto":
-        timeout = start_timeout()
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise ValueError(f"`timeout` must be a number of seconds > 0, None or 'auto'. Received: timeout={timeout!r}")
-    workers = _tf_config_workers(os.environ)
-    if len(workers) < 2:
-        return tf.distribute.MultiWorkerMirroredStrategy(**kwargs)
-    me = _from_tf_config(os.environ)
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "dist_minimize.launch.join_watch", str(os.getpid()), f"{timeout or 0:g}",
-         str(me.rank if me is not None else 0), *workers],
-        stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (this thread's; see above)
-    try:
+    watcher = None
+    try:  # however it ends, SIGTERM is released (the main job blocked it before TensorFlow started)
+        if timeout == "auto":
+            timeout = start_timeout()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or timeout <= 0):
+            raise ValueError("`timeout` must be a number of seconds > 0, None or 'auto'. "
+                             f"Received: timeout={timeout!r}")
+        workers = _tf_config_workers(os.environ)
+        if len(workers) > 1:
+            me = _from_tf_config(os.environ)
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "dist_minimize.launch.join_watch", str(os.getpid()), f"{timeout or 0:g}",
+                 str(me.rank if me is not None else 0), *workers],
+                stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (this thread's; see above)
         return tf.distribute.MultiWorkerMirroredStrategy(**kwargs)
     finally:
-        watcher.stdin.close()  # joined (or failed): the watcher ends
-        watcher.wait()
+        if watcher is not None:
+            watcher.stdin.close()  # joined (or failed): the watcher ends
+            watcher.wait()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

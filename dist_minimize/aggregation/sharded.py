@@ -100,7 +100,7 @@ def _after_value(value: tf.Tensor, previous) -> tf.Tensor:
         return value
     value = tf.convert_to_tensor(value)
     bits = _BITS[value.dtype.size]
-    first = tf.reshape(previous, [-1])[0]
+    first = tf.pad(tf.reshape(previous, [-1])[:1], [[0, 1]])[0]  # (0 where `previous` is empty)
     zero = tf.cast(tf.bitwise.bitwise_and(tf.bitcast(first, _BITS[first.dtype.size]), 0), bits)
     return tf.bitcast(tf.bitwise.bitwise_or(tf.bitcast(value, bits), zero), value.dtype)
 
@@ -119,7 +119,7 @@ def _keep(result: tf.Tensor) -> None:
     """Keeps a collective whose result this process does not read in the graph: an
     `Assert` that always holds (stateful, so TensorFlow runs it) reads it."""
     if not tf.executing_eagerly():
-        tf.raw_ops.Assert(condition=tf.constant(True), data=[result], summarize=0)
+        tf.raw_ops.Assert(condition=tf.constant(True), data=[tf.reshape(result, [-1])[:1]], summarize=0)
 
 
 def _after(done: list):

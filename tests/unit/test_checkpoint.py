@@ -238,6 +238,26 @@ def test_a_save_inside_an_accumulation_window_is_refused(tmp_path):
     assert checkpoint.latest(str(tmp_path)) is None
 
 
+def test_a_checkpoint_of_another_accumulation_is_refused(tmp_path):
+    model = make_model()  # GradientAccumulation(steps=2)
+    ckpt = dm.Checkpointer(str(tmp_path), model)
+    with ckpt:
+        ckpt.restore()
+        batches = iter(data())
+        for _ in range(2):
+            model.train_on_batch(*next(batches))
+        ckpt.step = 2
+        ckpt.save()
+    keras.utils.set_random_seed(0)
+    other = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    inner = dm.Optimizer(keras.optimizers.Adam(0.01), transform_gradients=dm.clip_by_global_norm(1.0))
+    other.compile(optimizer=dm.MovingAverage(dm.GradientAccumulation(inner, steps=4), average_decay=0.9),
+                  loss="mse")
+    dm.integrate(other)
+    with pytest.raises(ValueError, match=r"making 2 micro-batches per update; this one makes 4"):
+        dm.Checkpointer(str(tmp_path), other).restore()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"every": 0}, r"`every` must be an integer >= 1. Received: every=0"),
     ({"keep": 0}, r"`keep` must be an integer >= 1. Received: keep=0"),

@@ -80,6 +80,14 @@ def test_sigterm_during_the_wait_ends_the_worker_within_seconds():
     assert time.monotonic() - sent < 5
 
 
+def test_a_one_worker_job_joins_and_releases_sigterm():
+    ports = free_ports(1)
+    env = {**os.environ, "TF_CONFIG": tf_config([f"127.0.0.1:{ports[0]}"], 0), "PYTHONPATH": proc.ROOT}
+    out = subprocess.run([sys.executable, WORKER], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "joined 1" in out.stdout and "sigterm blocked False" in out.stdout, out.stdout
+
+
 def test_start_timeout_setting():
     local = {"TF_CONFIG": tf_config(["127.0.0.1:1", "localhost:2"], 0)}
     remote = {"TF_CONFIG": tf_config(["10.0.0.1:1", "10.0.0.2:2"], 0)}

@@ -18,3 +18,4 @@ import dist_minimize as dm  # noqa: E402
 print("joining", flush=True)
 strategy = dm.cluster.multi_worker_strategy()
 print("joined", strategy.num_replicas_in_sync, flush=True)
+print("sigterm blocked", signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []), flush=True)
