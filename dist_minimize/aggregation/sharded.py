@@ -172,7 +172,7 @@ def all_gather(variables: Sequence, updated: Sequence[bool], owners: Sequence[in
     for k, (dtype, segs, width) in enumerate(_buckets(owners, items, size)):
         with _after(done):
             own = _flat([tf.reshape(tf.convert_to_tensor(variables[i]), [-1]) for i in segs[rank]], width, dtype)
-        if not segs[rank]:  # padding alone: nothing orders it (see the module's note)
+        if k == 0 or not segs[rank]:  # after the step's last collective; later buckets after their writes
             own = _after_value(own, previous)
         gathered = previous = collective(own, k)
         pairs = []
