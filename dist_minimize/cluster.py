@@ -342,9 +342,9 @@ def multi_worker_strategy(timeout: float | None | str = "auto", **kwargs: Any):
     TensorFlow's constructor waits for every worker of TF_CONFIG to register (an hour by
     default), silently, holding Python's lock, and catches SIGTERM meanwhile (its
     preemption notifier), so neither a thread nor a signal handler of this process can
-    act. Here a watcher process (`dist_minimize.launch.join_watch`) ends this one if the
-    strategy is not made within `timeout` seconds ("auto": `start_timeout()`; None: no
-    bound), after printing which workers did not arrive (those whose address accepts no
+    act. Here a watcher process (dist_minimize/launch/join_watch.py, standard library
+    only) ends this one if the strategy is not made within `timeout` seconds ("auto":
+    `start_timeout()`; None: no bound), after printing which workers did not arrive (those whose address accepts no
     connection); and a SIGTERM sent meanwhile ends it within a second (srun's,
     Kubernetes' and the launcher's stops and restarts can act), provided the program
     blocked SIGTERM before importing TensorFlow, whose threads inherit the mask:
@@ -369,10 +369,11 @@ def multi_worker_strategy(timeout: float | None | str = "auto", **kwargs: Any):
         workers = _tf_config_workers(os.environ)
         if len(workers) > 1:
             me = _from_tf_config(os.environ)
+            # Run as a file: as a module of this package it would import TensorFlow first (seconds).
+            watch = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch", "join_watch.py")
             watcher = subprocess.Popen(
-                [sys.executable, "-m", "dist_minimize.launch.join_watch", str(os.getpid()), f"{timeout or 0:g}",
-                 str(me.rank if me is not None else 0), *workers],
-                stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+                [sys.executable, watch, str(os.getpid()), f"{timeout or 0:g}", str(me.rank if me is not None else 0),
+                 *workers], stdin=subprocess.PIPE)
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # (this thread's; see above)
         return tf.distribute.MultiWorkerMirroredStrategy(**kwargs)
     finally:

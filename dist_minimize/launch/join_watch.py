@@ -1,7 +1,10 @@
 """The watcher of a worker joining a MultiWorkerMirroredStrategy job
 (`dist_minimize.cluster.multi_worker_strategy`): a small process, without TensorFlow.
 
-    python -m dist_minimize.launch.join_watch PID TIMEOUT INDEX WORKER...
+    python dist_minimize/launch/join_watch.py PID TIMEOUT INDEX WORKER...
+
+(run as a file: it imports the standard library only, so it watches within milliseconds;
+as a module of the package it would import TensorFlow first).
 
 Waits up to TIMEOUT seconds (0: no bound) for its standard input to close (the worker
 joined, failed or ended). Meanwhile, a SIGTERM pending on the worker (which blocks it
