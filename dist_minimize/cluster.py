@@ -344,9 +344,10 @@ def multi_worker_strategy(timeout: float | None | str = "auto", **kwargs: Any):
     preemption notifier), so neither a thread nor a signal handler of this process can
     act. Here a watcher process (dist_minimize/launch/join_watch.py, standard library
     only) ends this one if the strategy is not made within `timeout` seconds ("auto":
-    `start_timeout()`; None: no bound), after printing which workers did not arrive (those whose address accepts no
-    connection); and a SIGTERM sent meanwhile ends it within a second (srun's,
-    Kubernetes' and the launcher's stops and restarts can act), provided the program
+    `start_timeout()`; None: no bound), after printing which workers did not arrive
+    (those whose address accepts no connection); and a SIGTERM sent meanwhile ends it
+    within a second (srun's, Kubernetes' and the launcher's stops and restarts can
+    act), provided the program
     blocked SIGTERM before importing TensorFlow, whose threads inherit the mask:
     `signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})` first thing (the main
     job does); this call releases it once joined, and a SIGTERM held meanwhile acts
