@@ -347,11 +347,10 @@ def multi_worker_strategy(timeout: float | None | str = "auto", **kwargs: Any):
     `start_timeout()`; None: no bound), after printing which workers did not arrive
     (those whose address accepts no connection); and a SIGTERM sent meanwhile ends it
     within a second (srun's, Kubernetes' and the launcher's stops and restarts can
-    act), provided the program
-    blocked SIGTERM before importing TensorFlow, whose threads inherit the mask:
-    `signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})` first thing (the main
-    job does); this call releases it once joined, and a SIGTERM held meanwhile acts
-    then. Ended: by SIGKILL, since TensorFlow catches SIGTERM while it waits.
+    act), provided the program blocked SIGTERM before importing TensorFlow, whose
+    threads inherit the mask: `signal.pthread_sigmask(signal.SIG_BLOCK,
+    {signal.SIGTERM})` first thing (the main job does); this call releases it once
+    joined, and a SIGTERM held meanwhile acts then. Ended: by SIGKILL, since TensorFlow catches SIGTERM while it waits.
     """
     import signal
     import subprocess
