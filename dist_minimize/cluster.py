@@ -325,9 +325,10 @@ def start_timeout(environ: Mapping[str, str] | None = None) -> float | None:
             raise ValueError(f"`DM_START_TIMEOUT` must be a number of seconds >= 0 (0: no bound). "
                              f"Received: DM_START_TIMEOUT={raw!r}")
         return value or None
-    workers = _tf_config_workers(environ)
-    local = all(w.rsplit(":", 1)[0] in ("localhost", "::1", "[::1]") or w.startswith("127.") for w in workers)
-    return LOCAL_START_TIMEOUT if local else CLUSTER_START_TIMEOUT
+    from dist_minimize.launch.plan import is_local
+
+    hosts = [(w.rsplit(":", 1)[0].strip("[]"), 1) for w in _tf_config_workers(environ)]
+    return LOCAL_START_TIMEOUT if is_local(hosts) else CLUSTER_START_TIMEOUT
 
 
 def _tf_config_workers(environ: Mapping[str, str]) -> list[str]:
