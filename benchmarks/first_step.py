@@ -133,9 +133,11 @@ def loop_step(backend: Backend, model_name: str, kind: str):
     with backend.strategy.scope():
         model = build_model(model_name)
         variables = model.trainable_variables
-        if kind == "dm":
+        if kind in ("dm", "dm_whole"):
             opt = dm.Optimizer(keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(CLIP),
                                aggregate_gradients="horovod" if horovod else "auto")
+            if kind == "dm_whole":  # the guarded update as run_if's one cond, not device by device
+                object.__setattr__(opt, "_per_device_ok", lambda grads_and_vars: False)
         else:
             opt = keras.optimizers.Adam(LR)
             opt._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # the hand-written anchor
@@ -153,7 +155,7 @@ def loop_step(backend: Backend, model_name: str, kind: str):
                 loss = tf.reduce_mean(per_example_loss(model, x, y))
             else:
                 loss = tf.nn.compute_average_loss(per_example_loss(model, x, y), global_batch_size=GLOBAL_BATCH)
-        if kind == "dm":
+        if kind in ("dm", "dm_whole"):
             opt.minimize(loss, variables, tape=tape)
             return
         grads = tape.gradient(loss, variables)

@@ -51,7 +51,7 @@ for profile in $profiles; do
   : > "$LOGS/$profile.log"
   for part in "${parts[@]}"; do
     # shellcheck disable=SC2086
-    DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra "${only_once[@]}" $part "$@" 2>&1 \
+    DM_PROFILE=$profile "$venv/bin/python" -m pytest -p no:cacheprovider -ra --durations=25 "${only_once[@]}" $part "$@" 2>&1 \
       | tee -a "$LOGS/$profile.log"
     part_rc=${PIPESTATUS[0]}
     # (5: nothing collected in a part, e.g. options deselecting it all)
