@@ -48,7 +48,7 @@ def run(launcher_name: str, extra: list[str], directory: str | None, log_path: s
     with open(log_path) as f:
         text = f.read()
     prints = dict(re.findall(r"\[train\] (weights|optimizer) fingerprint ([0-9a-f]{16})", text))
-    resumed = re.search(r"\[train\] resumed after batch (\d+)", text)
+    resumed = re.search(r"\[train\] resumed after update (\d+)", text)
     restart = re.search(r"\[launch\] restart 1 of 1 after (.*): starting", text)
     return rc, took, prints, (int(resumed.group(1)) if resumed else None), (restart.group(1) if restart else "-")
 
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     header = ["launcher", "failure point", "signal", "job exit status", "seconds lost",
-              "resumed after batch", "what the launcher reported", "fingerprints equal"]
+              "resumed after update", "what the launcher reported", "fingerprints equal"]
     lines = ["# Kill points", "", __doc__.split("\n\n")[0].replace("\n", " "), "",
              f"Command: `python benchmarks/kill_points.py` ({time.strftime('%Y-%m-%d')}); "
              "seconds lost: the job's wall time minus the uninterrupted job's (both include start-up).", "",

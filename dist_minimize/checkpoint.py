@@ -67,8 +67,9 @@ RESTART_EXIT_CODE = 42  # TensorFlow's and Kubernetes' convention for "preempted
 
 
 def latest(directory: str) -> tuple[int, str] | None:
-    """(batches trained, path) of the newest complete checkpoint in `directory`, or None.
-    Only renamed, complete checkpoints count (`ckpt-N`); a `.tmp-*` left by a crash is ignored."""
+    """(updates trained, path) of the newest complete checkpoint in `directory`, or None.
+    Only renamed, complete checkpoints count (`ckpt-N`, N = updates: the same position on
+    any number of workers); a `.tmp-*` left by a crash is ignored."""
     if not directory or not os.path.isdir(directory):
         return None
     found = [(int(name[len(PREFIX):]), os.path.join(directory, name)) for name in os.listdir(directory)
@@ -84,7 +85,7 @@ class Checkpointer:
     any number of processes (docs/sharding.md).
 
     Args:
-      directory: where checkpoints go (`DIR/ckpt-N`, N = batches trained); one directory
+      directory: where checkpoints go (`DIR/ckpt-N`, N = updates trained); one directory
         that every worker reads (this machine, or a shared filesystem). None: train
         through the same input stream and agree on stops, but save nothing.
       model: a built Keras model.
@@ -132,17 +133,11 @@ class Checkpointer:
             _remove_temporaries(self.directory)
         if found is None:
             return 0
-        step, path = found
+        _, path = found
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
         sharded = meta.get("sharded")
-        written_micro = meta.get("micro_steps_per_update", self._micro)
-        if written_micro != self._micro:
-            raise ValueError(
-                f"The checkpoint {path} was written by a job making {written_micro} micro-batches per update; "
-                f"this one makes {self._micro}, so its position ({step} micro-batches) would mean another "
-                "update. Resume with the same accumulation (a --micro-batch job on another number of workers "
-                "cannot resume yet: docs/elastic.md).")
+        step = self._position(meta, path)
         if sharded is not None:  # written sharded: read back on any number of processes
             self._checkpoint(sharded).read(os.path.join(path, "state")).assert_existing_objects_matched()
             sharded_checkpoint.read(path, sharded, self.optimizer, self.model.trainable_variables)
@@ -156,8 +151,26 @@ class Checkpointer:
         own = local.checkpointed(self.model, self.optimizer)
         if own:
             local.read(self.directory, os.path.basename(path), _task(), own)
+        if step != meta["step"]:  # another accumulation (workers changed): windows start at the new count
+            _set_micro_steps(self.optimizer, step)
         self.step = self._saved = step
         return step
+
+    def _position(self, meta: dict, path: str) -> int:
+        """This process's batches trained at the checkpoint `meta` describes: its updates
+        times this job's micro-batches per update. Another accumulation is refused unless
+        the workers changed with it, keeping the micro-batches of an update (K * N: a
+        `dm.elastic` job on another number of workers, whose update t takes the same
+        micro-batches on any N)."""
+        written_micro = meta.get("micro_steps_per_update", self._micro)
+        written_workers, workers = meta.get("workers", _task_count()), _task_count()
+        if written_micro != self._micro and written_micro * written_workers != self._micro * workers:
+            raise ValueError(
+                f"The checkpoint {path} was written by {written_workers} worker(s) making {written_micro} "
+                f"micro-batches per update each; this job's {workers} make {self._micro}, so an update would "
+                "take other samples. Resume with the same accumulation, or with micro-batches per update times "
+                "workers unchanged (dm.elastic: a fixed global batch and micro-batch; docs/elastic.md).")
+        return meta["step"] // written_micro * self._micro
 
     def step_done(self) -> bool:
         """Call after every batch (micro-batch). Saves when one is due; returns True when a
@@ -176,7 +189,7 @@ class Checkpointer:
         if not self.directory:
             return None
         self._check_boundary()
-        name = f"{PREFIX}{self.step:09d}"
+        name = f"{PREFIX}{self.step // self._micro:09d}"  # updates: the same on any number of workers
         own = local.checkpointed(self.model, self.optimizer)
         if own:  # each process's own, beside the shared files, all written before rank 0 publishes
             local.write(self.directory, name, _task(), own)
@@ -209,7 +222,7 @@ class Checkpointer:
         state then holds the model only)."""
         self._checkpoint(sharded).write(os.path.join(path, "state"))
         meta = {"step": self.step, "updates": int(self.optimizer.iterations.numpy()),
-                "micro_steps_per_update": self._micro}
+                "micro_steps_per_update": self._micro, "workers": _task_count()}
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta if sharded is None else {**meta, "sharded": sharded}, f)
         for root, _, files in os.walk(path):
@@ -382,6 +395,15 @@ def _micro_steps(optimizer) -> int:
     for opt in sharded_state.stack_of(optimizer):
         n *= int(getattr(opt, "micro_steps_per_update", 1))
     return n
+
+
+def _set_micro_steps(optimizer, step: int) -> None:
+    """Puts the micro-step counter of the stack's accumulation at `step` (this process's
+    micro-batches at the restored update): its windows are counted from it."""
+    for opt in sharded_state.stack_of(optimizer):
+        counter = opt.__dict__.get("_micro_step")  # GradientAccumulation's (not read through a wrapper)
+        if counter is not None:
+            counter.assign(step)
 
 
 def _task() -> int:

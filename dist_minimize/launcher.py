@@ -49,6 +49,7 @@ from dist_minimize.launch.plan import (  # noqa: F401  (re-exported, the private
     plan,
     tf_config,
 )
+from dist_minimize.launch.discovery import Discovery, DiscoveryError, take
 from dist_minimize.launch.report import BIND_FAILURE, _failure, _forward, describe_status  # noqa: F401
 from dist_minimize.launch.procs import (  # noqa: F401  (re-exported, the private ones too)
     _address,
@@ -67,7 +68,8 @@ from dist_minimize.launch.procs import (  # noqa: F401  (re-exported, the privat
 __all__ = [
     "BIND_FAILURE", "COMPAT_RUNNER", "FAIL_FAST_ENV", "LAUNCHERS", "LOCAL_MPI_MCA", "LOCAL_MPI_TRANSPORT",
     "LOOPBACK_HOSTS", "PORT_RETRIES", "START_TIMEOUT", "Terminated", "UNBINDABLE", "describe_status",
-    "free_ports", "handle_sigterm", "is_local", "is_loopback", "launch",
+    "Discovery", "DiscoveryError", "ELASTIC_LAUNCHERS", "free_ports", "handle_sigterm", "is_local", "is_loopback",
+    "launch", "launch_elastic",
     "listening_sockets", "parse_hosts", "plan", "tf_config",
 ]
 
@@ -131,12 +133,131 @@ def launch(launcher: str, np: int, script: Sequence[str], hosts: str | None = No
     return status
 
 
-def _attempt(job, attempt: int):
+ELASTIC_LAUNCHERS = ("horovod-gloo", "horovod-mpi", "mpirun", "multiworker")
+DISCOVERY_INTERVAL = 10.0  # seconds between two asks of a running job's discovery
+SLOTS_TIMEOUT = 600.0  # seconds an elastic job waits for --min-np slots before it stops
+
+
+def launch_elastic(launcher: str, script: Sequence[str], discovery: Discovery, min_np: int, max_np: int,
+                   interval: float = DISCOVERY_INTERVAL, slots_timeout: float = SLOTS_TIMEOUT,
+                   max_restarts: int = 10, timeout: float | None = None, python: str = sys.executable, out=None,
+                   child_output=None, start_timeout: float | None = START_TIMEOUT) -> int:
+    """Runs `script` on as many workers as `discovery` has slots for, between `min_np`
+    and `max_np`, starting the whole job again on another number when that changes.
+
+    The job starts on min(`max_np`, the slots discovery reports). While it runs,
+    discovery is asked every `interval` seconds; when its count (up to `max_np`, at least
+    `min_np`) differs from the job's, every worker gets SIGTERM, saves at its next update
+    boundary (`dist_minimize.Checkpointer`) and exits, and the job starts again on the new
+    count from that checkpoint. When a worker fails, the others are stopped, discovery is
+    asked, and the job starts again (up to `max_restarts` failures). With fewer than
+    `min_np` slots the launcher asks every `interval` seconds, up to `slots_timeout`, then
+    stops with status 1, the newest checkpoint left in place. Each start logs the old and
+    new worker counts and why. A script that trains the same on any count: a fixed
+    global batch and micro-batch (`dist_minimize.elastic`, the main job's `--micro-batch`).
+    Other arguments: as `launch`, whose supervision each start gets. Returns the job's
+    exit status; a discovery that fails when the launcher must size the job ends it with
+    status 1, its reason printed.
+    """
+    if launcher not in ELASTIC_LAUNCHERS:
+        raise ValueError(f"An elastic launch runs on {', '.join(ELASTIC_LAUNCHERS)}. Received: launcher={launcher!r}")
+    for name, value in (("min_np", min_np), ("max_np", max_np)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be an integer >= 1. Received: {name}={value!r}")
+    if min_np > max_np:
+        raise ValueError(f"`min_np` must be <= `max_np`. Received: min_np={min_np}, max_np={max_np}")
+    for name, value in (("interval", interval), ("slots_timeout", slots_timeout)):
+        if not value > 0:
+            raise ValueError(f"`{name}` must be > 0 seconds. Received: {name}={value!r}")
+    out = out if out is not None else sys.stdout
+    workers, why, failures, attempt = None, "start", 0, 0
+    while True:
+        try:
+            slots = _wait_for_slots(discovery, min_np, interval, slots_timeout, out)
+        except DiscoveryError as e:
+            print(f"[launch] elastic: {e}; stopping (the newest checkpoint stays in place)", file=out, flush=True)
+            return 1
+        if slots is None:
+            return 1
+        n = min(max_np, sum(k for _, k in slots))
+        hosts = take(slots, n)
+        print(f"[launch] elastic: {workers if workers is not None else 0} -> {n} workers ({why}); hosts {hosts}",
+              file=out, flush=True)
+        watch = _ResizeWatch(discovery, n, min_np, max_np, interval, out)
+        job = (launcher, n, script, hosts, None, None, timeout, python, out, child_output, start_timeout)
+        status, failure = _attempt(job, attempt, watch)
+        attempt += 1
+        workers = n
+        if watch.reason is not None:
+            why = watch.reason
+            continue
+        if status == 0 or failure is None:
+            return status
+        failures += 1
+        if failures > max_restarts:
+            print(f"[launch] elastic: {failures} failures, more than --max-restarts {max_restarts}; stopping",
+                  file=out, flush=True)
+            return status
+        why = f"after {failure}"
+
+
+def _wait_for_slots(discovery: Discovery, min_np: int, interval: float, bound: float, out):
+    """Discovery's slots once they reach `min_np` (asking every `interval` seconds), or
+    None after `bound` seconds below it (said in `out`)."""
+    deadline = time.monotonic() + bound
+    said = False
+    while True:
+        slots = discovery.slots()
+        total = sum(k for _, k in slots)
+        if total >= min_np:
+            return slots
+        if time.monotonic() >= deadline:
+            print(f"[launch] elastic: {discovery} reports {total} slot(s), fewer than --min-np {min_np}, for "
+                  f"{bound:g} s; stopping (the newest checkpoint stays in place: run the same command again "
+                  "when slots return)", file=out, flush=True)
+            return None
+        if not said:
+            print(f"[launch] elastic: {discovery} reports {total} slot(s), fewer than --min-np {min_np}; waiting up "
+                  f"to {bound:g} s", file=out, flush=True)
+            said = True
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+
+
+class _ResizeWatch:
+    """Asked by `_supervise` every second: every `interval` seconds it asks discovery, and
+    returns a reason to resize when the workers it allows differ from `workers`."""
+
+    def __init__(self, discovery: Discovery, workers: int, min_np: int, max_np: int, interval: float, out):
+        self.discovery, self.workers, self.min_np, self.max_np = discovery, workers, min_np, max_np
+        self.interval, self.out = interval, out
+        self.next_ask = time.monotonic() + interval
+        self.reason: str | None = None
+        self._last_error: str | None = None
+
+    def __call__(self) -> str | None:
+        if time.monotonic() < self.next_ask:
+            return None
+        self.next_ask = time.monotonic() + self.interval
+        try:
+            total = sum(k for _, k in self.discovery.slots())
+        except DiscoveryError as e:  # a running job keeps running; said once per new reason
+            if str(e) != self._last_error:
+                print(f"[launch] elastic: {e}; keeping {self.workers} workers", file=self.out, flush=True)
+                self._last_error = str(e)
+            return None
+        self._last_error = None
+        n = min(self.max_np, total)
+        if n != self.workers and n >= self.min_np:
+            self.reason = f"{self.discovery} reports {total} slot(s)"
+        return self.reason
+
+
+def _attempt(job, attempt: int, watch=None):
     """One start of the job (with new ports while a chosen port is taken): (status, failure)."""
     launcher, port, out = job[0], job[5], job[8]
     tries = PORT_RETRIES + 1 if (launcher == "multiworker" and port is None) else 1
     for i in range(tries):
-        status, failure, seen = _launch_once(job, attempt)
+        status, failure, seen = _launch_once(job, attempt, watch)
         taken = seen.get("bind_failed")
         if status == 0 or taken is None:
             break
@@ -183,19 +304,20 @@ def _job_dirs() -> tuple[str, str | None]:
     return tmpdir, shm
 
 
-def _launch_once(job, attempt: int):
+def _launch_once(job, attempt: int, watch=None):
     tmpdir, shm = _job_dirs()
     try:
-        return _run_job(job, attempt, tmpdir, shm)
+        return _run_job(job, attempt, tmpdir, shm, watch)
     finally:
         for d in (tmpdir, shm):
             if d:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _run_job(job, attempt, tmpdir, shm):
+def _run_job(job, attempt, tmpdir, shm, watch=None):
     """Starts and supervises one attempt: (status, failure description or None, what the
-    workers' output said: a port taken, the rank a launcher reported failed)."""
+    workers' output said: a port taken, the rank a launcher reported failed). `watch`:
+    see `_supervise`."""
     launcher, np, script, hosts, hostfile, port, timeout, python, out, child_output, start_timeout = job
     steps = plan(launcher, np, script, hosts, hostfile, port, python, tmpdir=tmpdir, shm_dir=shm)
     base_env = dict(os.environ)
@@ -221,7 +343,8 @@ def _run_job(job, attempt, tmpdir, shm):
                  for i, (cmd, _) in enumerate(steps)]
         starting = ({i: p for i, p in enumerate(ports) if p} if launcher == "multiworker" and start_timeout
                     else {})
-        status, failed = _supervise(procs, names, timeout, out, UNBINDABLE.get(launcher), starting, start_timeout)
+        status, failed = _supervise(procs, names, timeout, out, UNBINDABLE.get(launcher), starting, start_timeout,
+                                    watch)
     except BaseException:
         _stop(procs)
         raise
@@ -246,14 +369,16 @@ def _tf_config_port(extra: dict) -> int | None:
 
 
 def _supervise(procs: list, names: list, timeout: float | None, out, why: str | None = None,
-               starting: dict | None = None, start_timeout: float | None = None):
+               starting: dict | None = None, start_timeout: float | None = None, watch=None):
     """Waits for the job; stops every process of it however this ends (BaseException
     included: pytest-timeout's `Failed`, KeyboardInterrupt, SystemExit). Every second,
-    each port of the job listening beyond loopback is named once (`why`: the cause), and
-    the workers of `starting` ({index: port}) that listen are crossed off: one still
-    missing after `start_timeout` seconds fails the job. Returns (status, as Popen gives
-    it: negative for a signal; the index of the failed worker, or None when nothing failed
-    or the job was interrupted or timed out)."""
+    each port of the job listening beyond loopback is named once (`why`: the cause), the
+    workers of `starting` ({index: port}) that listen are crossed off (one still missing
+    after `start_timeout` seconds fails the job), and `watch()` is asked whether the job
+    should stop for a resize (a reason, or None): then every worker gets SIGTERM, saves
+    at its next update boundary and exits. Returns (status, as Popen gives it: negative
+    for a signal; the index of the failed worker, or None when nothing failed, the job
+    was stopped for a resize, interrupted or timed out)."""
     begin = time.monotonic()
     deadline = None if timeout is None else begin + timeout
     starting = dict(starting or {})
@@ -272,6 +397,13 @@ def _supervise(procs: list, names: list, timeout: float | None, out, why: str | 
                     print(f"[launch] not every worker started within {start_timeout:g} s: {text}; stopping the job",
                           file=out, flush=True)
                     status, failed = 1, missing[0]
+                    break
+                running = all(p.poll() is None for p in procs)  # (a job ending by itself is not resized)
+                reason = watch() if watch is not None and running else None
+                if reason is not None:
+                    print(f"[launch] elastic: {reason}: every worker saves at its next update boundary and stops",
+                          file=out, flush=True)
+                    status = 0
                     break
                 next_scan = time.monotonic() + 1.0
             codes = [p.poll() for p in procs]

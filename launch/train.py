@@ -74,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(horovod-gloo, horovod-mpi, multiworker launchers)")
     p.add_argument("--checkpoint-dir", default=None, help="resume from / save checkpoints into this directory")
     p.add_argument("--checkpoint-every", type=int, default=5, help="batches between checkpoints (default 5)")
+    p.add_argument("--weights-out", default=None, metavar="PATH",
+                   help="write the final weights to PATH (.npz, numpy's format), from rank 0")
     p.add_argument("--fail-at", type=int, default=None, metavar="STEP",
                    help="(testing) after this many batches, --fail-rank fails with --fail-signal (first attempt only)")
     p.add_argument("--fail-rank", type=int, default=1, help="(testing) the rank or worker that fails")
@@ -120,7 +122,7 @@ def resolve_backend(backend: str) -> str:
     info = cluster.discover()
     if info.launcher == "tf_config":
         return "multiworker"
-    if info.size > 1:
+    if info.size > 1 or info.launcher in ("horovod", "openmpi", "pmi"):  # horovodrun/mpirun, alone too
         return "horovod"
     return "mirrored"
 
@@ -233,14 +235,19 @@ def print_state_bytes(optimizer) -> None:
     print(f"[train] optimizer state bytes on this process: {dm.optimizer_state_bytes(optimizer)}", flush=True)
 
 
-def print_fingerprints(model, optimizer, root: bool) -> None:
+def print_fingerprints(model, optimizer, root: bool, weights_out: str | None = None) -> None:
     """The final weights' and optimizer variables' fingerprints (read on every worker:
-    under MultiWorkerMirroredStrategy reading a replica-local variable is a collective)."""
+    under MultiWorkerMirroredStrategy reading a replica-local variable is a collective);
+    the weights into `weights_out` too (.npz), when given."""
+    import numpy as np
+
     weights = fingerprint(model.get_weights())
     state = fingerprint([v.numpy() for v in optimizer.variables])
     if root:
         print(f"[train] weights fingerprint {weights}", flush=True)
         print(f"[train] optimizer fingerprint {state}", flush=True)
+        if weights_out:
+            np.savez(weights_out, *model.get_weights())
 
 
 class Fault:
@@ -293,7 +300,7 @@ def checkpointer(args, model, optimizer, rank: int):
     ckpt = dm.Checkpointer(args.checkpoint_dir, model, optimizer, every=args.checkpoint_every)
     found = dm.checkpoint.latest(args.checkpoint_dir)
     if found and rank == 0:
-        print(f"[train] resumed after batch {found[0]} from {found[1]}", flush=True)
+        print(f"[train] resumed after update {found[0]} from {found[1]}", flush=True)
     fault = Fault(args, rank)
     fault.watch_saves(ckpt)
     return ckpt, fault
@@ -371,7 +378,7 @@ def run_fit(args, strategy=None) -> float:
         return model.evaluate(test, verbose=0)[1]
 
     print_state_bytes(optimizer)
-    print_fingerprints(model, optimizer, bool(verbose))
+    print_fingerprints(model, optimizer, bool(verbose), args.weights_out)
     accuracy = evaluate()
     if verbose:
         print(f"[train] test accuracy {accuracy:.4f}", flush=True)
@@ -456,7 +463,7 @@ def run_multiworker(args) -> float:
             before, losses = after, []
     ckpt.finish()
     print_state_bytes(optimizer)
-    print_fingerprints(model, optimizer, task == 0)
+    print_fingerprints(model, optimizer, task == 0, args.weights_out)
 
     def evaluate():
         return float(np.mean(np.argmax(model(x_test, training=False), axis=-1) == y_test))

@@ -113,7 +113,7 @@ def test_fit_resumes_exactly_after_a_lost_process(tmp_path, uninterrupted, crash
     assert fit(tmp_path, crash_at=crash_at)[0] is None
     saved = checkpoint.latest(str(tmp_path))
     expected = (crash_at - 1) // 4 * 4  # every=4: saves after batches 4, 8, ...
-    assert (saved[0] if saved else 0) == expected
+    assert (saved[0] if saved else 0) == expected // 2  # named by updates (2 batches each)
     # Other initial weights when a checkpoint exists (everything must come from the file);
     # without one, the job starts again as it first did.
     model, batches = fit(tmp_path, seed=7 if expected else 0)
@@ -124,7 +124,7 @@ def test_fit_resumes_exactly_after_a_lost_process(tmp_path, uninterrupted, crash
 def test_the_same_stream_with_or_without_a_directory(tmp_path, uninterrupted):
     model, _ = fit(tmp_path)
     assert_identical(uninterrupted, state(model))
-    assert checkpoint.latest(str(tmp_path))[0] == TOTAL  # the final save
+    assert checkpoint.latest(str(tmp_path))[0] == TOTAL // 2  # the final save (updates)
     # Resumed once more from the end: nothing left to train, nothing changes.
     again, batches = fit(tmp_path, seed=9)
     assert batches == 0
@@ -176,7 +176,7 @@ def custom_loop(directory, crash_at=None, seed=0):
 def test_custom_loop_resumes_exactly(tmp_path):
     full = custom_loop(None)
     assert custom_loop(tmp_path, crash_at=10) is None
-    assert checkpoint.latest(str(tmp_path))[0] == 8
+    assert checkpoint.latest(str(tmp_path))[0] == 4  # after batch 8: 4 updates
     assert_identical(state(full), state(custom_loop(tmp_path, seed=5)))
 
 
@@ -198,7 +198,7 @@ def test_sigterm_saves_at_the_next_boundary_and_exits_42(tmp_path, uninterrupted
         ckpt.fit(data, epochs=EPOCHS, verbose=0, callbacks=[Term()])
     assert e.value.code == 42
     assert signal.getsignal(signal.SIGTERM) is handler  # put back
-    assert checkpoint.latest(str(tmp_path))[0] == 6
+    assert checkpoint.latest(str(tmp_path))[0] == 3  # after batch 6: 3 updates
     resumed, batches = fit(tmp_path, seed=2, every=100)
     assert batches == TOTAL - 6
     assert_identical(uninterrupted, state(resumed))
@@ -216,12 +216,12 @@ def test_a_crash_during_a_write_leaves_the_previous_checkpoint(tmp_path, uninter
     ckpt.write_files = write_then_crash
     with pytest.raises(Crash):
         ckpt.fit(data, epochs=EPOCHS, verbose=0)
-    assert sorted(os.listdir(tmp_path)) == [".tmp-ckpt-000000008", "ckpt-000000004"]
-    assert checkpoint.latest(str(tmp_path))[0] == 4
+    assert sorted(os.listdir(tmp_path)) == [".tmp-ckpt-000000004", "ckpt-000000002"]  # updates
+    assert checkpoint.latest(str(tmp_path))[0] == 2
     resumed, batches = fit(tmp_path, seed=3)
     assert batches == TOTAL - 4
     assert_identical(uninterrupted, state(resumed))
-    assert ".tmp-ckpt-000000008" not in os.listdir(tmp_path)  # removed at the restore
+    assert ".tmp-ckpt-000000004" not in os.listdir(tmp_path)  # removed at the restore
     assert len([n for n in os.listdir(tmp_path) if n.startswith("ckpt-")]) == 2  # keep=2
 
 
@@ -236,6 +236,19 @@ def test_a_save_inside_an_accumulation_window_is_refused(tmp_path):
         with pytest.raises(ValueError, match=r"update boundary.*micro_step is 1 with steps=2"):
             ckpt.save()
     assert checkpoint.latest(str(tmp_path)) is None
+
+
+def test_a_position_moves_to_another_number_of_workers_by_updates(tmp_path):
+    """A checkpoint written by 2 workers making 1 micro-batch per update each (update 3
+    after 3 batches) is 6 batches into this 1-worker job making 2 per update: the same
+    3 updates, the same micro-batches (dm.elastic). Another product K * N is refused."""
+    ckpt = dm.Checkpointer(str(tmp_path), make_model())  # GradientAccumulation(steps=2), 1 worker
+    assert ckpt._position({"step": 3, "micro_steps_per_update": 1, "workers": 2}, "ckpt-3") == 6
+    assert ckpt._position({"step": 4, "micro_steps_per_update": 2}, "ckpt-2") == 4  # written before "workers"
+    with pytest.raises(ValueError, match=r"written by 3 worker\(s\) making 1 micro-batches per update each; "
+                                         r"this job's 1 make 2"):
+        ckpt._position({"step": 3, "micro_steps_per_update": 1, "workers": 3}, "ckpt-3")
+    ckpt.close()
 
 
 def test_a_checkpoint_of_another_accumulation_is_refused(tmp_path):
@@ -254,7 +267,8 @@ def test_a_checkpoint_of_another_accumulation_is_refused(tmp_path):
     other.compile(optimizer=dm.MovingAverage(dm.GradientAccumulation(inner, steps=4), average_decay=0.9),
                   loss="mse")
     dm.integrate(other)
-    with pytest.raises(ValueError, match=r"making 2 micro-batches per update; this one makes 4"):
+    with pytest.raises(ValueError, match=r"written by 1 worker\(s\) making 2 micro-batches per update each; "
+                                         r"this job's 1 make 4, so an update would take other samples"):
         dm.Checkpointer(str(tmp_path), other).restore()
 
 
