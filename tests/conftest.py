@@ -47,7 +47,8 @@ def mirrored_strategy() -> "tf.distribute.MirroredStrategy":
 # (tests/unit/test_checkpoint.py).
 DEFAULT_PROFILE_ONLY = ("tests/tooling/", "tests/distributed/test_process_lifecycle.py",
                         "tests/distributed/test_restarts.py", "tests/unit/test_launcher_restarts.py",
-                        "tests/unit/test_launcher_cluster.py", "tests/distributed/test_security.py",
+                        "tests/unit/test_launcher_cluster.py", "tests/unit/test_launcher_elastic.py",
+                        "tests/distributed/test_security.py",
                         "tests/distributed/test_repository_checks.py",
                         # the main job (launcher and script: its TensorFlow side is the parity
                         # tests'), and Keras's own optimizer tests (the same Keras on both)

@@ -1,0 +1,143 @@
+"""An elastic job trains the same model whatever happens to its workers: the main job
+with a fixed global batch and micro-batch (`--micro-batch`, `dist_minimize.elastic`)
+under `launch/launch.py --min-np 1 --max-np 2` and a host discovery script, checkpoints
+every 4 batches, against runs never resized:
+
+* started on 2, a worker SIGKILLed after batch 7, discovery then reporting 1 slot: the job
+  finishes on 1 worker from the checkpoint of update 4 with the weights of the
+  uninterrupted 2-worker run, bit for bit (G = 64, b = 32: two workers' halves or one
+  worker's two micro-batches are the same two-operand sums), and everything of the
+  uninterrupted 1-worker run (the accumulation's micro-step counter counts this
+  worker's micro-batches);
+* started on 1, discovery then reporting 2: the workers save at an update boundary and
+  the job grows to 2, ending with the uninterrupted 2-worker run's weights and optimizer
+  state;
+* killed inside an accumulation window (b = 16: 2 micro-batches per worker and update on
+  2 workers, 4 on 1): within 1e-6 of the uninterrupted run (the sums' order differs);
+* too few slots after a failure (--min-np 2): the job stops with a clear message, and the
+  checkpoint it leaves resumes on 1 worker, sharded optimizer state included.
+
+Horovod over Gloo; each job bounded by the launcher's timeout."""
+
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+import proc
+from conftest import requires_horovod
+from dist_minimize import launcher
+from dist_minimize.launch.discovery import Discovery
+
+pytestmark = [pytest.mark.distributed, requires_horovod]
+
+TRAIN = os.path.join(proc.ROOT, "launch", "train.py")
+FLAGS = ["--epochs", "2", "--global-batch", "64", "--checkpoint-every", "4"]
+FINGERPRINTS = r"\[train\] (weights|optimizer) fingerprint ([0-9a-f]{16})"
+
+
+def discovery(tmp_path, before: int, after: int) -> Discovery:
+    """Reports `before` slots until the job's first checkpoint exists, then `after`."""
+    path = tmp_path / "discover.sh"
+    path.write_text(f"#!/bin/sh\nif ls {tmp_path}/ckpt/ckpt-* >/dev/null 2>&1; then echo localhost:{after}; "
+                    f"else echo localhost:{before}; fi\n")
+    path.chmod(0o755)
+    return Discovery(script=str(path))
+
+
+def elastic(tmp_path, name, disc, micro_batch=32, extra=(), min_np=1, interval=600.0, slots_timeout=600.0):
+    log = tmp_path / f"{name}.txt"
+    args = [TRAIN, *FLAGS, "--micro-batch", str(micro_batch), "--checkpoint-dir", str(tmp_path / "ckpt"),
+            "--weights-out", str(tmp_path / f"{name}.npz"), *extra]
+    with open(log, "w") as f:
+        rc = launcher.launch_elastic("horovod-gloo", args, disc, min_np, 2, interval=interval,
+                                     slots_timeout=slots_timeout, max_restarts=1, timeout=proc.JOB_TIMEOUT / 3,
+                                     python=sys.executable, out=f, child_output=f)
+    return rc, log.read_text()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run on `np_` workers: (fingerprints, weights)."""
+    found = {}
+
+    def get(np_, micro_batch=32, extra=()):
+        key = (np_, micro_batch, *extra)
+        if key not in found:
+            tmp = tmp_path_factory.mktemp("reference")
+            log = tmp / "log.txt"
+            with open(log, "w") as f:
+                rc = launcher.launch("horovod-gloo", np_, [TRAIN, *FLAGS, "--micro-batch", str(micro_batch),
+                                                           "--weights-out", str(tmp / "w.npz"), *extra],
+                                     timeout=proc.JOB_TIMEOUT / 3, python=sys.executable, out=f, child_output=f)
+            text = log.read_text()
+            assert rc == 0, text[-4000:]
+            found[key] = dict(re.findall(FINGERPRINTS, text)), weights(tmp / "w.npz")
+        return found[key]
+    return get
+
+
+def weights(path) -> list:
+    with np.load(path) as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
+
+
+def last(text: str) -> dict:
+    """The fingerprints the job's last start printed."""
+    return dict(re.findall(FINGERPRINTS, text)[-2:])
+
+
+def test_a_lost_worker_shrinks_the_job_and_the_result_stays(tmp_path, reference):
+    rc, text = elastic(tmp_path, "shrunk", discovery(tmp_path, 2, 1), extra=["--fail-at", "7", "--fail-rank", "1"])
+    assert rc == 0, text[-5000:]
+    assert "[launch] elastic: 0 -> 2 workers (start)" in text
+    assert re.search(r"\[launch\] elastic: 2 -> 1 workers \(after .*SIGKILL", text), text[-4000:]
+    assert "[train] workers 1, micro-batches per update 2, global batch 64" in text
+    assert "[train] resumed after update 4 from" in text, text[-4000:]
+    assert last(text)["weights"] == reference(2)[0]["weights"]
+    assert last(text) == reference(1)[0]
+    assert not proc.survivors(TRAIN)
+
+
+def test_new_slots_grow_the_job_at_a_checkpoint_and_the_result_stays(tmp_path, reference):
+    rc, text = elastic(tmp_path, "grown", discovery(tmp_path, 1, 2), extra=["--epochs", "4"], interval=1.0)
+    assert rc == 0, text[-5000:]
+    assert "reports 2 slot(s): every worker saves at its next update boundary and stops" in text, text[-4000:]
+    assert "[launch] elastic: 1 -> 2 workers" in text
+    resumed = re.search(r"\[train\] resumed after update (\d+) from", text)
+    assert resumed and 0 < int(resumed.group(1)) < 4 * 22, text[-4000:]  # mid-training (22 updates an epoch)
+    assert "[train] workers 2, micro-batches per update 1, global batch 64" in text
+    assert last(text) == reference(2, extra=("--epochs", "4"))[0]
+
+
+def test_a_loss_inside_an_accumulation_window_stays_within_rounding(tmp_path, reference):
+    """b = 16: on 2 workers each accumulates 2 micro-batches per update; batch 7 is inside
+    a window. On 1 worker the 4 micro-batches are summed in another order."""
+    rc, text = elastic(tmp_path, "window", discovery(tmp_path, 2, 1), micro_batch=16,
+                       extra=["--fail-at", "7", "--fail-rank", "1"])
+    assert rc == 0, text[-5000:]
+    assert "[train] workers 2, micro-batches per update 2" in text and "[train] workers 1, micro-batches per update 4" \
+        in text
+    assert "[train] resumed after update 2 from" in text, text[-4000:]  # the save after batch 4
+    expected = reference(2, micro_batch=16)[1]
+    got = weights(tmp_path / "window.npz")
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)) <= 1e-6
+
+
+def test_too_few_slots_stop_the_job_and_its_checkpoint_resumes_elsewhere(tmp_path, reference):
+    """--min-np 2: after the loss discovery reports 1 slot; the job waits 2 s, stops with
+    status 1 and a message; the same job with --min-np 1 resumes that (sharded) checkpoint
+    on 1 worker and ends as the uninterrupted run."""
+    sharded = ["--shard-optimizer-state"]
+    rc, text = elastic(tmp_path, "stopped", discovery(tmp_path, 2, 1), extra=["--fail-at", "7", "--fail-rank", "1",
+                                                                              *sharded],
+                       min_np=2, interval=0.5, slots_timeout=2)
+    assert rc == 1, text[-5000:]
+    assert "reports 1 slot(s), fewer than --min-np 2, for 2 s; stopping (the newest checkpoint stays in place" in text
+    rc, text = elastic(tmp_path, "resumed", discovery(tmp_path, 1, 1), extra=sharded)
+    assert rc == 0, text[-5000:]
+    assert "[train] resumed after update 4 from" in text, text[-4000:]
+    assert last(text)["weights"] == reference(1)[0]["weights"]
+    assert not proc.survivors(TRAIN)
