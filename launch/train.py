@@ -66,9 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--accumulate", type=int, default=None, metavar="K",
                    help="dm.GradientAccumulation(steps=K): one update per K batches")
     p.add_argument("--micro-batch", type=int, default=None, metavar="B",
-                   help="horovod: the global batch in micro-batches of B samples, each process accumulating "
-                        "G / (N * B) of them per update: the same training on any number of processes "
-                        "(dist_minimize.elastic)")
+                   help="horovod, multiworker: the global batch in micro-batches of B samples, each of the N "
+                        "workers accumulating G / (N * B) of them per update: the same training on any number of "
+                        "workers (dist_minimize.elastic)")
     p.add_argument("--shard-optimizer-state", action="store_true",
                    help="each process keeps the optimizer state of its share of the weights "
                         "(horovod-gloo, horovod-mpi, multiworker launchers)")
@@ -396,18 +396,33 @@ def run_multiworker(args) -> float:
     import dist_minimize as dm
 
     timeout = float(os.environ.get("DM_COLLECTIVE_TIMEOUT", "60"))
-    if args.micro_batch is not None:
-        raise SystemExit("--micro-batch runs on the horovod backend only here (horovod-gloo, horovod-mpi, mpirun). "
-                         f"Received: --micro-batch={args.micro_batch} with --backend multiworker")
+    if args.micro_batch is not None and private(args):
+        raise SystemExit("--micro-batch and --dp-noise-multiplier do not combine under --backend multiworker here. "
+                         f"Received: --micro-batch={args.micro_batch} --dp-noise-multiplier={args.dp_noise_multiplier}")
     strategy = dm.cluster.multi_worker_strategy(  # joined within DM_START_TIMEOUT seconds, or ended
         communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout))
     task = strategy.cluster_resolver.task_id
     n = strategy.num_replicas_in_sync
-    if args.global_batch % n:
+    (x_train, y_train), (x_test, y_test) = load_digits(args.seed)
+    if args.micro_batch is not None:  # the same micro-batches, and sums, on any number of workers
+        workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
+        if n != workers:
+            raise SystemExit(f"--micro-batch under --backend multiworker takes one replica per worker. "
+                             f"Received: {n} replicas on {workers} workers")
+        try:
+            args.accumulate = dm.elastic.accumulation_steps(args.global_batch, args.micro_batch, n)
+        except ValueError as e:
+            raise SystemExit(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: {e}")
+        per_replica, loss_batch = args.micro_batch, args.micro_batch * n  # each micro-batch's mean / n
+        steps = len(x_train) // args.global_batch * args.accumulate  # this worker's micro-batches an epoch
+        print(f"[train] workers {n}, micro-batches per update {args.accumulate}, global batch {args.global_batch}",
+              flush=True)
+    elif args.global_batch % n:
         raise SystemExit(f"--global-batch must be divisible by the {n} replicas. "
                          f"Received: --global-batch={args.global_batch}")
-    (x_train, y_train), (x_test, y_test) = load_digits(args.seed)
-    steps = len(x_train) // args.global_batch
+    else:
+        per_replica, loss_batch = args.global_batch // n, args.global_batch
+        steps = len(x_train) // args.global_batch
 
     with strategy.scope():
         model, optimizer = build_model(keras, args)
@@ -422,13 +437,16 @@ def run_multiworker(args) -> float:
               flush=True)
 
     def dataset_fn(ctx):
-        per_replica = ctx.get_per_replica_batch_size(args.global_batch)
-        ds = tf.data.Dataset.from_tensor_slices((x_train, y_train)).shard(
-            ctx.num_input_pipelines, ctx.input_pipeline_id)
+        samples = tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        if args.micro_batch is not None:
+            ds = dm.elastic.micro_batches(samples, args.global_batch, args.micro_batch, ctx.num_input_pipelines,
+                                          ctx.input_pipeline_id, len(x_train))
+        else:
+            ds = samples.shard(ctx.num_input_pipelines, ctx.input_pipeline_id).batch(per_replica, drop_remainder=True)
         # One stream over every epoch; a resumed run skips what was trained (one batch
         # per local replica and step).
         replicas_here = ctx.num_replicas_in_sync // ctx.num_input_pipelines
-        return ds.batch(per_replica, drop_remainder=True).repeat().skip(start * replicas_here)
+        return ds.repeat().skip(start * replicas_here)
 
     @tf.function
     def step(batch):
@@ -437,7 +455,7 @@ def run_multiworker(args) -> float:
                 per_example = loss_obj(y, model(x, training=True))
                 if private(args):  # DifferentialPrivacy takes the per-example losses
                     return per_example
-                return tf.nn.compute_average_loss(per_example, global_batch_size=args.global_batch)
+                return tf.nn.compute_average_loss(per_example, global_batch_size=loss_batch)
             value = loss_fn()
             optimizer.minimize(loss_fn, model.trainable_variables)
             if private(args):
@@ -508,8 +526,9 @@ def main(argv=None) -> int:
         cluster.exit_worker(0)
     else:
         if args.micro_batch is not None:
-            raise SystemExit("--micro-batch runs on the horovod backend only here (horovod-gloo, horovod-mpi, "
-                             f"mpirun). Received: --micro-batch={args.micro_batch} with --backend {backend}")
+            raise SystemExit("--micro-batch runs on the horovod and multiworker backends (horovod-gloo, horovod-mpi, "
+                             "mpirun, multiworker). "
+                             f"Received: --micro-batch={args.micro_batch} with --backend {backend}")
         run_fit(args, make_mirrored(args.replicas))
     return 0
 

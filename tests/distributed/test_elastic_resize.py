@@ -17,7 +17,8 @@ every 4 batches, against runs never resized:
 * too few slots after a failure (--min-np 2): the job stops with a clear message, and the
   checkpoint it leaves resumes on 1 worker, sharded optimizer state included.
 
-Horovod over Gloo; each job bounded by the launcher's timeout."""
+The first two under horovod-gloo and MultiWorkerMirroredStrategy, the others under
+horovod-gloo; each job bounded by the launcher's timeout."""
 
 import os
 import re
@@ -31,7 +32,8 @@ from conftest import requires_horovod
 from dist_minimize import launcher
 from dist_minimize.launch.discovery import Discovery
 
-pytestmark = [pytest.mark.distributed, requires_horovod]
+pytestmark = pytest.mark.distributed
+LAUNCHERS = [pytest.param("horovod-gloo", marks=requires_horovod), "multiworker"]
 
 TRAIN = os.path.join(proc.ROOT, "launch", "train.py")
 FLAGS = ["--epochs", "2", "--global-batch", "64", "--checkpoint-every", "4"]
@@ -47,12 +49,13 @@ def discovery(tmp_path, before: int, after: int) -> Discovery:
     return Discovery(script=str(path))
 
 
-def elastic(tmp_path, name, disc, micro_batch=32, extra=(), min_np=1, interval=600.0, slots_timeout=600.0):
+def elastic(tmp_path, name, disc, micro_batch=32, extra=(), min_np=1, interval=600.0, slots_timeout=600.0,
+            launcher_name="horovod-gloo"):
     log = tmp_path / f"{name}.txt"
     args = [TRAIN, *FLAGS, "--micro-batch", str(micro_batch), "--checkpoint-dir", str(tmp_path / "ckpt"),
             "--weights-out", str(tmp_path / f"{name}.npz"), *extra]
     with open(log, "w") as f:
-        rc = launcher.launch_elastic("horovod-gloo", args, disc, min_np, 2, interval=interval,
+        rc = launcher.launch_elastic(launcher_name, args, disc, min_np, 2, interval=interval,
                                      slots_timeout=slots_timeout, max_restarts=1, timeout=proc.JOB_TIMEOUT / 3,
                                      python=sys.executable, out=f, child_output=f)
     return rc, log.read_text()
@@ -63,13 +66,13 @@ def reference(tmp_path_factory):
     """The uninterrupted run on `np_` workers: (fingerprints, weights)."""
     found = {}
 
-    def get(np_, micro_batch=32, extra=()):
-        key = (np_, micro_batch, *extra)
+    def get(np_, micro_batch=32, extra=(), launcher_name="horovod-gloo"):
+        key = (launcher_name, np_, micro_batch, *extra)
         if key not in found:
             tmp = tmp_path_factory.mktemp("reference")
             log = tmp / "log.txt"
             with open(log, "w") as f:
-                rc = launcher.launch("horovod-gloo", np_, [TRAIN, *FLAGS, "--micro-batch", str(micro_batch),
+                rc = launcher.launch(launcher_name, np_, [TRAIN, *FLAGS, "--micro-batch", str(micro_batch),
                                                            "--weights-out", str(tmp / "w.npz"), *extra],
                                      timeout=proc.JOB_TIMEOUT / 3, python=sys.executable, out=f, child_output=f)
             text = log.read_text()
@@ -89,29 +92,34 @@ def last(text: str) -> dict:
     return dict(re.findall(FINGERPRINTS, text)[-2:])
 
 
-def test_a_lost_worker_shrinks_the_job_and_the_result_stays(tmp_path, reference):
-    rc, text = elastic(tmp_path, "shrunk", discovery(tmp_path, 2, 1), extra=["--fail-at", "7", "--fail-rank", "1"])
+@pytest.mark.parametrize("launcher_name", LAUNCHERS)
+def test_a_lost_worker_shrinks_the_job_and_the_result_stays(tmp_path, reference, launcher_name):
+    rc, text = elastic(tmp_path, "shrunk", discovery(tmp_path, 2, 1), extra=["--fail-at", "7", "--fail-rank", "1"],
+                       launcher_name=launcher_name)
     assert rc == 0, text[-5000:]
     assert "[launch] elastic: 0 -> 2 workers (start)" in text
     assert re.search(r"\[launch\] elastic: 2 -> 1 workers \(after .*SIGKILL", text), text[-4000:]
     assert "[train] workers 1, micro-batches per update 2, global batch 64" in text
     assert "[train] resumed after update 4 from" in text, text[-4000:]
-    assert last(text)["weights"] == reference(2)[0]["weights"]
-    assert last(text) == reference(1)[0]
+    assert last(text)["weights"] == reference(2, launcher_name=launcher_name)[0]["weights"]
+    assert last(text) == reference(1, launcher_name=launcher_name)[0]
     assert not proc.survivors(TRAIN)
 
 
-def test_new_slots_grow_the_job_at_a_checkpoint_and_the_result_stays(tmp_path, reference):
-    rc, text = elastic(tmp_path, "grown", discovery(tmp_path, 1, 2), extra=["--epochs", "4"], interval=1.0)
+@pytest.mark.parametrize("launcher_name", LAUNCHERS)
+def test_new_slots_grow_the_job_at_a_checkpoint_and_the_result_stays(tmp_path, reference, launcher_name):
+    rc, text = elastic(tmp_path, "grown", discovery(tmp_path, 1, 2), extra=["--epochs", "4"], interval=1.0,
+                       launcher_name=launcher_name)
     assert rc == 0, text[-5000:]
     assert "reports 2 slot(s): every worker saves at its next update boundary and stops" in text, text[-4000:]
     assert "[launch] elastic: 1 -> 2 workers" in text
     resumed = re.search(r"\[train\] resumed after update (\d+) from", text)
     assert resumed and 0 < int(resumed.group(1)) < 4 * 22, text[-4000:]  # mid-training (22 updates an epoch)
     assert "[train] workers 2, micro-batches per update 1, global batch 64" in text
-    assert last(text) == reference(2, extra=("--epochs", "4"))[0]
+    assert last(text) == reference(2, extra=("--epochs", "4"), launcher_name=launcher_name)[0]
 
 
+@requires_horovod
 def test_a_loss_inside_an_accumulation_window_stays_within_rounding(tmp_path, reference):
     """b = 16: on 2 workers each accumulates 2 micro-batches per update; batch 7 is inside
     a window. On 1 worker the 4 micro-batches are summed in another order."""
@@ -126,6 +134,7 @@ def test_a_loss_inside_an_accumulation_window_stays_within_rounding(tmp_path, re
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)) <= 1e-6
 
 
+@requires_horovod
 def test_too_few_slots_stop_the_job_and_its_checkpoint_resumes_elsewhere(tmp_path, reference):
     """--min-np 2: after the loss discovery reports 1 slot; the job waits 2 s, stops with
     status 1 and a message; the same job with --min-np 1 resumes that (sharded) checkpoint
