@@ -7,12 +7,15 @@ gets a clear error in bounded time. The main job resized, with its weights compa
 tests/distributed/test_elastic_resize.py."""
 
 import io
+import os
 import time
 
 import pytest
 
 from dist_minimize import launcher
 from dist_minimize.launch.discovery import Discovery, DiscoveryError, parse_slots, take
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Prints its worker count, then works until SIGTERM (exit 42, as a saving worker does) or
 # for SECONDS; a worker of the first attempt with index FAIL fails (exit 3) at once.
@@ -137,3 +140,29 @@ def test_bad_elastic_arguments_are_named():
         launcher.launch_elastic("multiworker", ["x.py"], d, 1, 2, interval=0)
     with pytest.raises(ValueError, match=r"one of them. Received: script=None, hostfile=None"):
         Discovery()
+
+
+def stub(tmp_path, name: str, output: str) -> dict:
+    """An environment whose PATH starts with a `name` command printing `output`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / name).write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    (bin_dir / name).chmod(0o755)
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def test_the_slurm_example_reports_the_usable_nodes_of_the_allocation(tmp_path, monkeypatch):
+    for k, v in stub(tmp_path, "sinfo", "node1 alloc\\nnode2 drain\\nnode3 mix\\nnode3 mix\\nnode4 down*\\n").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "node[1-4]")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4")
+    discovery = Discovery(script=os.path.join(ROOT, "launch", "discovery", "slurm_hosts.sh"))
+    assert discovery.slots() == [("node1", 4), ("node3", 4)]
+
+
+def test_the_kubernetes_example_reports_the_ready_worker_pods(tmp_path, monkeypatch):
+    for k, v in stub(tmp_path, "kubectl", "10.0.0.1 True\\n10.0.0.2 False\\n10.0.0.3 True\\n").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DM_NAMESPACE", "training")
+    discovery = Discovery(script=os.path.join(ROOT, "launch", "discovery", "k8s_pods.sh"))
+    assert discovery.slots() == [("10.0.0.1", 1), ("10.0.0.3", 1)]
