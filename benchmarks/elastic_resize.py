@@ -75,8 +75,8 @@ def scenario(work: str, name, launcher, slots, g, b, epochs, fault, where, inter
         f.write(f"#!/bin/sh\nif ls {work}/{name}-ckpt/ckpt-* >/dev/null 2>&1; then echo localhost:{after}; "
                 f"else echo localhost:{before}; fi\n")
     os.chmod(script, 0o755)
-    rc, took, text = run([sys.executable, LAUNCH, "--launcher", launcher, "--min-np", "1", "--max-np", str(before),
-                          "--host-discovery-script", script, "--discovery-interval", str(interval), "--", TRAIN,
+    rc, took, text = run([sys.executable, LAUNCH, "--launcher", launcher, "--min-np", "1",
+                          "--max-np", str(max(before, after)), "--host-discovery-script", script, "--discovery-interval", str(interval), "--", TRAIN,
                           *flags, *fault, "--checkpoint-dir", f"{work}/{name}-ckpt",
                           "--weights-out", f"{work}/{name}.npz"], f"{work}/{name}.log")
     shutil.copy(f"{work}/{name}.log", os.path.join(tempfile.gettempdir(), f"elastic-{name}.log"))

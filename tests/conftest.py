@@ -48,7 +48,7 @@ def mirrored_strategy() -> "tf.distribute.MirroredStrategy":
 DEFAULT_PROFILE_ONLY = ("tests/tooling/", "tests/distributed/test_process_lifecycle.py",
                         "tests/distributed/test_restarts.py", "tests/unit/test_launcher_restarts.py",
                         "tests/unit/test_launcher_cluster.py", "tests/unit/test_launcher_elastic.py",
-                        "tests/distributed/test_security.py",
+                        "tests/distributed/test_security.py", "tests/distributed/test_elastic_resize.py",
                         "tests/distributed/test_repository_checks.py",
                         # the main job (launcher and script: its TensorFlow side is the parity
                         # tests'), and Keras's own optimizer tests (the same Keras on both)
