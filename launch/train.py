@@ -85,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.accumulate is not None and args.accumulate < 1:
         p.error(f"--accumulate must be >= 1. Received: --accumulate={args.accumulate}")
+    if args.micro_batch is not None and args.dp_noise_multiplier is not None:
+        # DP-SGD's noise and accounting are per update of one batch; their meaning across a
+        # resize (micro-batches accumulated before the noise) is not checked here yet.
+        p.error("--micro-batch and --dp-noise-multiplier do not combine here. Received: "
+                f"--micro-batch={args.micro_batch} --dp-noise-multiplier={args.dp_noise_multiplier}")
     if args.micro_batch is not None and args.accumulate is not None:
         p.error("--micro-batch sets the accumulation (G / (N * B) micro-batches per process): drop --accumulate. "
                 f"Received: --micro-batch={args.micro_batch} --accumulate={args.accumulate}")
@@ -396,9 +401,6 @@ def run_multiworker(args) -> float:
     import dist_minimize as dm
 
     timeout = float(os.environ.get("DM_COLLECTIVE_TIMEOUT", "60"))
-    if args.micro_batch is not None and private(args):
-        raise SystemExit("--micro-batch and --dp-noise-multiplier do not combine under --backend multiworker here. "
-                         f"Received: --micro-batch={args.micro_batch} --dp-noise-multiplier={args.dp_noise_multiplier}")
     strategy = dm.cluster.multi_worker_strategy(  # joined within DM_START_TIMEOUT seconds, or ended
         communication_options=tf.distribute.experimental.CommunicationOptions(timeout_seconds=timeout))
     task = strategy.cluster_resolver.task_id

@@ -588,3 +588,15 @@ def test_a_rules_direct_write_held_back_by_the_scope_is_made(where):
     step()
     rule = opt.inner_optimizer
     assert [float(c.numpy()) for c in s.experimental_local_results(rule.count.value)] == [4.0] * s.num_replicas_in_sync
+
+
+def test_check_variables_are_known_is_keras_check_of_the_built_variables():
+    """`check_variables_are_known` is Keras's own check (`_check_variables_are_known`)
+    that an optimizer was built for the variables it updates: quiet for them, Keras's
+    error for another."""
+    known, other = keras.Variable([1.0]), keras.Variable([2.0])
+    opt = keras.optimizers.Adam(0.1)
+    opt.build([known])
+    _compat.check_variables_are_known(opt, [known])
+    with pytest.raises(ValueError, match="Unknown variable"):
+        _compat.check_variables_are_known(opt, [other])
