@@ -120,14 +120,15 @@ def test_new_slots_grow_the_job_at_a_checkpoint_and_the_result_stays(tmp_path, r
 @requires_horovod
 def test_a_loss_inside_an_accumulation_window_stays_within_rounding(tmp_path, reference):
     """b = 16: on 2 workers each accumulates 2 micro-batches per update; batch 7 is inside
-    a window. On 1 worker the 4 micro-batches are summed in another order."""
+    a window. On 1 worker the 4 micro-batches are summed in another order; the reference
+    is the uninterrupted run of the same G and b (on 4 workers: another order again)."""
     rc, text = elastic(tmp_path, "window", discovery(tmp_path, 2, 1), micro_batch=16,
                        extra=["--fail-at", "7", "--fail-rank", "1"])
     assert rc == 0, text[-5000:]
     assert "[train] workers 2, micro-batches per update 2" in text and "[train] workers 1, micro-batches per update 4" \
         in text
     assert "[train] resumed after update 2 from" in text, text[-4000:]  # the save after batch 4
-    expected = reference(2, micro_batch=16)[1]
+    expected = reference(4, micro_batch=16)[1]  # G and b as here: the same training (the four-worker test's)
     got = weights(tmp_path / "window.npz")
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)) <= 1e-6
 

@@ -92,18 +92,6 @@ def test_a_lost_worker_costs_time_not_the_result(tmp_path, reference, launcher_n
     assert_left_nothing(tmp_path, launcher_name)
 
 
-def test_a_full_stop_resumes_onto_fresh_processes(tmp_path, reference):
-    """No restart: the job fails (worker 1 killed after batch 10), and the same command run
-    again later, without the fault, resumes from the directory and ends identical."""
-    rc, text, _ = job(tmp_path, "stopped", "multiworker", ["--fail-at", "10"], max_restarts=0)
-    assert rc == 128 + 9, text[-4000:]  # the launcher's status for a worker killed by SIGKILL
-    assert "[launch] failed: worker 1: killed by SIGKILL" in text, text[-4000:]
-    rc, text, prints = job(tmp_path, "resumed", "multiworker", max_restarts=0)
-    assert rc == 0 and "resumed after update 4" in text  # batch 8, text[-4000:]
-    assert prints == reference("multiworker")
-    assert_left_nothing(tmp_path, "multiworker")
-
-
 def test_sigterm_to_the_launcher_saves_stops_and_a_rerun_resumes(tmp_path, reference):
     """The scheduler's SIGTERM to the launcher: every worker gets it, they agree on a step,
     save, and exit within seconds; the launcher exits 143 without restarting; the same
