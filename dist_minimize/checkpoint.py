@@ -70,12 +70,24 @@ def latest(directory: str) -> tuple[int, str] | None:
     """(updates trained, path) of the newest complete checkpoint in `directory`, or None.
     Only renamed, complete checkpoints count (`ckpt-N`, N = updates: the same position on
     any number of workers); a `.tmp-*` left by a crash is ignored."""
+    found = _complete(directory)
+    return (found[-1][0], os.path.join(directory, found[-1][1])) if found else None
+
+
+def _complete(directory: str | None) -> list[tuple[int, str]]:
+    """The complete checkpoints in `directory` as (updates, name), oldest first: updates
+    from `meta.json` (a checkpoint named by batches, as written before names counted
+    updates, sorts by its updates too)."""
     if not directory or not os.path.isdir(directory):
-        return None
-    found = [(int(name[len(PREFIX):]), os.path.join(directory, name)) for name in os.listdir(directory)
-             if name.startswith(PREFIX) and name[len(PREFIX):].isdigit()
-             and os.path.exists(os.path.join(directory, name, "meta.json"))]
-    return max(found) if found else None
+        return []
+    found = []
+    for name in os.listdir(directory):
+        meta_path = os.path.join(directory, name, "meta.json")
+        if name.startswith(PREFIX) and name[len(PREFIX):].isdigit() and os.path.exists(meta_path):
+            with open(meta_path) as f:
+                meta = json.load(f)
+            found.append((meta["step"] // meta.get("micro_steps_per_update", 1), name))
+    return sorted(found)
 
 
 class Checkpointer:
@@ -153,6 +165,10 @@ class Checkpointer:
             local.read(self.directory, os.path.basename(path), _task(), own)
         if step != meta["step"]:  # another accumulation (workers changed): windows start at the new count
             _set_micro_steps(self.optimizer, step)
+            if self._is_writer():
+                print(f"[dist_minimize] resumed update {step // self._micro} of {path}: written by "
+                      f"{meta.get('workers', '?')} worker(s) making {meta['micro_steps_per_update']} micro-batches "
+                      f"per update, now {_task_count()} making {self._micro}", flush=True)
         self.step = self._saved = step
         return step
 
@@ -356,7 +372,7 @@ class Checkpointer:
         return _task() == 0
 
     def _prune(self) -> None:
-        names = sorted(n for n in os.listdir(self.directory) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
+        names = [name for _, name in _complete(self.directory)]
         for name in names[:-self.keep]:
             shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
         if names:

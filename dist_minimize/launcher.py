@@ -141,11 +141,14 @@ SLOTS_TIMEOUT = 600.0  # seconds an elastic job waits for --min-np slots before 
 def launch_elastic(launcher: str, script: Sequence[str], discovery: Discovery, min_np: int, max_np: int,
                    interval: float = DISCOVERY_INTERVAL, slots_timeout: float = SLOTS_TIMEOUT,
                    max_restarts: int = 10, timeout: float | None = None, python: str = sys.executable, out=None,
-                   child_output=None, start_timeout: float | None = START_TIMEOUT) -> int:
+                   child_output=None, start_timeout: float | None = START_TIMEOUT,
+                   worker_counts: Sequence[int] | None = None) -> int:
     """Runs `script` on as many workers as `discovery` has slots for, between `min_np`
     and `max_np`, starting the whole job again on another number when that changes.
 
-    The job starts on min(`max_np`, the slots discovery reports). While it runs,
+    The job starts on the largest count of `worker_counts` (default: any) between
+    `min_np` and min(`max_np`, the slots discovery reports): with `--micro-batch`,
+    `dist_minimize.elastic.admissible_sizes(G, b)`. While it runs,
     discovery is asked every `interval` seconds; when its count (up to `max_np`, at least
     `min_np`) differs from the job's, every worker gets SIGTERM, saves at its next update
     boundary (`dist_minimize.Checkpointer`) and exits, and the job starts again on the new
@@ -169,21 +172,35 @@ def launch_elastic(launcher: str, script: Sequence[str], discovery: Discovery, m
     for name, value in (("interval", interval), ("slots_timeout", slots_timeout)):
         if not value > 0:
             raise ValueError(f"`{name}` must be > 0 seconds. Received: {name}={value!r}")
+    if worker_counts is not None and not any(min_np <= n <= max_np for n in worker_counts):
+        raise ValueError(f"No count of `worker_counts` lies between min_np={min_np} and max_np={max_np}. "
+                         f"Received: worker_counts={list(worker_counts)!r}")
     out = out if out is not None else sys.stdout
+
+    def choose(total: int) -> int | None:
+        """The most workers `total` slots can run, or None below `min_np`."""
+        return next((n for n in range(min(max_np, total), min_np - 1, -1)
+                     if worker_counts is None or n in worker_counts), None)
+
     workers, why, failures, attempt = None, "start", 0, 0
     while True:
         try:
-            slots = _wait_for_slots(discovery, min_np, interval, slots_timeout, out)
+            slots = _wait_for_slots(discovery, choose, min_np, interval, slots_timeout, out)
         except DiscoveryError as e:
             print(f"[launch] elastic: {e}; stopping (the newest checkpoint stays in place)", file=out, flush=True)
             return 1
+        except Terminated:
+            print("[launch] SIGTERM while waiting for slots: stopping", file=out, flush=True)
+            return 143
+        except KeyboardInterrupt:
+            return 130
         if slots is None:
             return 1
-        n = min(max_np, sum(k for _, k in slots))
+        n = choose(sum(k for _, k in slots))
         hosts = take(slots, n)
         print(f"[launch] elastic: {workers if workers is not None else 0} -> {n} workers ({why}); hosts {hosts}",
               file=out, flush=True)
-        watch = _ResizeWatch(discovery, n, min_np, max_np, interval, out)
+        watch = _ResizeWatch(discovery, n, choose, interval, out)
         job = (launcher, n, script, hosts, None, None, timeout, python, out, child_output, start_timeout)
         status, failure = _attempt(job, attempt, watch)
         attempt += 1
@@ -201,15 +218,15 @@ def launch_elastic(launcher: str, script: Sequence[str], discovery: Discovery, m
         why = f"after {failure}"
 
 
-def _wait_for_slots(discovery: Discovery, min_np: int, interval: float, bound: float, out):
-    """Discovery's slots once they reach `min_np` (asking every `interval` seconds), or
-    None after `bound` seconds below it (said in `out`)."""
+def _wait_for_slots(discovery: Discovery, choose, min_np: int, interval: float, bound: float, out):
+    """Discovery's slots once `choose` finds a worker count for them (asking every
+    `interval` seconds), or None after `bound` seconds without one (said in `out`)."""
     deadline = time.monotonic() + bound
     said = False
     while True:
         slots = discovery.slots()
         total = sum(k for _, k in slots)
-        if total >= min_np:
+        if choose(total) is not None:
             return slots
         if time.monotonic() >= deadline:
             print(f"[launch] elastic: {discovery} reports {total} slot(s), fewer than --min-np {min_np}, for "
@@ -225,10 +242,11 @@ def _wait_for_slots(discovery: Discovery, min_np: int, interval: float, bound: f
 
 class _ResizeWatch:
     """Asked by `_supervise` every second: every `interval` seconds it asks discovery, and
-    returns a reason to resize when the workers it allows differ from `workers`."""
+    returns a reason to resize when the count `choose` allows differs from `workers`.
+    `_supervise` sets `reason` when it acts on one."""
 
-    def __init__(self, discovery: Discovery, workers: int, min_np: int, max_np: int, interval: float, out):
-        self.discovery, self.workers, self.min_np, self.max_np = discovery, workers, min_np, max_np
+    def __init__(self, discovery: Discovery, workers: int, choose, interval: float, out):
+        self.discovery, self.workers, self.choose = discovery, workers, choose
         self.interval, self.out = interval, out
         self.next_ask = time.monotonic() + interval
         self.reason: str | None = None
@@ -246,10 +264,10 @@ class _ResizeWatch:
                 self._last_error = str(e)
             return None
         self._last_error = None
-        n = min(self.max_np, total)
-        if n != self.workers and n >= self.min_np:
-            self.reason = f"{self.discovery} reports {total} slot(s)"
-        return self.reason
+        n = self.choose(total)
+        if n is not None and n != self.workers:
+            return f"{self.discovery} reports {total} slot(s)"
+        return None
 
 
 def _attempt(job, attempt: int, watch=None):
@@ -398,9 +416,10 @@ def _supervise(procs: list, names: list, timeout: float | None, out, why: str | 
                           file=out, flush=True)
                     status, failed = 1, missing[0]
                     break
-                running = all(p.poll() is None for p in procs)  # (a job ending by itself is not resized)
-                reason = watch() if watch is not None and running else None
-                if reason is not None:
+                reason = watch() if watch is not None else None
+                # (a job ending by itself, or failing, meanwhile is not resized: the loop sees it)
+                if reason is not None and all(p.poll() is None for p in procs):
+                    watch.reason = reason
                     print(f"[launch] elastic: {reason}: every worker saves at its next update boundary and stops",
                           file=out, flush=True)
                     status = 0

@@ -55,6 +55,9 @@ def main(argv=None) -> int:
                          help="a command printing the available slots as `host:slots` lines")
     elastic.add_argument("--discovery-interval", type=float, default=DISCOVERY_INTERVAL,
                          help=f"seconds between asks while the job runs (default {DISCOVERY_INTERVAL:g})")
+    elastic.add_argument("--worker-counts", default=None, metavar="N,N,...",
+                         help="the worker counts the job accepts (default: any from --min-np to --max-np); "
+                              "with --micro-batch B and --global-batch G: the divisors of G / B")
     elastic.add_argument("--slots-timeout", type=float, default=SLOTS_TIMEOUT,
                          help=f"seconds to wait for --min-np slots before stopping (default {SLOTS_TIMEOUT:g})")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
@@ -73,10 +76,14 @@ def main(argv=None) -> int:
                     "or --hostfile (read again at every ask); the count and the ports are its own. Received: "
                     f"--min-np {args.min_np} --max-np {args.max_np}{''.join(' ' + g for g in given)}")
         discovery = Discovery(args.host_discovery_script, args.hostfile)
+        try:
+            counts = None if args.worker_counts is None else [int(c) for c in args.worker_counts.split(",")]
+        except ValueError:
+            p.error(f"--worker-counts takes integers separated by commas. Received: {args.worker_counts!r}")
         return launch_elastic(args.launcher, script, discovery, args.min_np, args.max_np,
                               interval=args.discovery_interval, slots_timeout=args.slots_timeout,
                               max_restarts=10 if args.max_restarts is None else args.max_restarts, timeout=args.timeout,
-                              start_timeout=args.start_timeout)
+                              start_timeout=args.start_timeout, worker_counts=counts)
     except ValueError as e:
         p.error(str(e))
         return 2

@@ -33,7 +33,7 @@ def parse_slots(text: str, source: str) -> list[tuple[str, int]]:
         if not entry:
             continue
         host, sep, slots = entry.partition(":")
-        valid = host and " " not in host and (not sep or slots.isdigit())
+        valid = host and not any(c in host for c in " ,") and (not sep or (slots.isascii() and slots.isdigit()))
         if not valid or host in found:
             why = f"{host!r} is named twice" if valid else "expected `host:slots`"
             raise DiscoveryError(f"{source} printed line {number} {line.strip()!r}: {why}")
@@ -74,7 +74,7 @@ class Discovery:
         if self.hostfile is not None:
             try:
                 entries = _read_hostfile(self.hostfile)
-            except OSError as e:
+            except (OSError, UnicodeDecodeError) as e:
                 raise DiscoveryError(f"{self} cannot be read: {e}") from None
             return parse_slots("\n".join(entries), str(self))
         return parse_slots(self._run(), str(self))
@@ -82,7 +82,7 @@ class Discovery:
     def _run(self) -> str:
         try:
             p = subprocess.Popen(shlex.split(self.script), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, start_new_session=True)
+                                 text=True, errors="replace", start_new_session=True)
         except OSError as e:
             raise DiscoveryError(f"{self} cannot be started: {e}") from None
         try:

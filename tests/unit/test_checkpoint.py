@@ -251,6 +251,15 @@ def test_a_position_moves_to_another_number_of_workers_by_updates(tmp_path):
     ckpt.close()
 
 
+def test_the_newest_checkpoint_is_the_one_of_most_updates_whatever_its_name(tmp_path):
+    """A checkpoint named by batches (40 batches of 2: 20 updates) is older than one of
+    22 updates: checkpoints are ordered by the updates their meta.json records."""
+    for name, step in (("ckpt-000000040", 40), ("ckpt-000000022", 44)):
+        os.makedirs(tmp_path / name)
+        (tmp_path / name / "meta.json").write_text(f'{{"step": {step}, "micro_steps_per_update": 2}}')
+    assert checkpoint.latest(str(tmp_path)) == (22, str(tmp_path / "ckpt-000000022"))
+
+
 def test_a_checkpoint_of_another_accumulation_is_refused(tmp_path):
     model = make_model()  # GradientAccumulation(steps=2)
     ckpt = dm.Checkpointer(str(tmp_path), model)

@@ -166,3 +166,18 @@ def test_the_kubernetes_example_reports_the_ready_worker_pods(tmp_path, monkeypa
     monkeypatch.setenv("DM_NAMESPACE", "training")
     discovery = Discovery(script=os.path.join(ROOT, "launch", "discovery", "k8s_pods.sh"))
     assert discovery.slots() == [("10.0.0.1", 1), ("10.0.0.3", 1)]
+
+
+def test_the_job_runs_on_the_largest_count_it_accepts(tmp_path, monkeypatch):
+    """3 slots, a job that accepts 1, 2 or 4 workers (G / b = 4): it starts on 2."""
+    worker, hosts = files(tmp_path, "localhost:3\n")
+    monkeypatch.setenv("SECONDS_", "0")
+    status, text = run(worker, Discovery(hostfile=str(hosts)), worker_counts=[1, 2, 4])
+    assert status == 0, text
+    assert "[launch] elastic: 0 -> 2 workers (start); hosts localhost:2" in text
+
+
+def test_discovery_output_that_is_no_slot_count_is_named():
+    for text, why in (("a:\u00b2", "expected `host:slots`"), ("a,b:2", "expected `host:slots`")):
+        with pytest.raises(DiscoveryError, match=why):
+            parse_slots(text, "s")
