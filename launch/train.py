@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DP-SGD: dm.DifferentialPrivacy with this noise multiplier (0: clipping only)")
     p.add_argument("--dp-l2-norm-clip", type=float, default=1.0, help="DP-SGD: per-example clipping norm")
     p.add_argument("--dp-delta", type=float, default=1e-5, help="DP-SGD: the delta epsilon is reported for")
+    p.add_argument("--dp-seed", type=int, default=None,
+                   help="DP-SGD: the noise's seed, for reproducing a run (default: random; with a known seed, "
+                        "whoever holds the data can recompute the noise)")
     p.add_argument("--accumulate", type=int, default=None, metavar="K",
                    help="dm.GradientAccumulation(steps=K): one update per K batches")
     p.add_argument("--micro-batch", type=int, default=None, metavar="B",
@@ -85,11 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.accumulate is not None and args.accumulate < 1:
         p.error(f"--accumulate must be >= 1. Received: --accumulate={args.accumulate}")
-    if args.micro_batch is not None and args.dp_noise_multiplier is not None:
-        # DP-SGD's noise and accounting are per update of one batch; their meaning across a
-        # resize (micro-batches accumulated before the noise) is not checked here yet.
-        p.error("--micro-batch and --dp-noise-multiplier do not combine here. Received: "
-                f"--micro-batch={args.micro_batch} --dp-noise-multiplier={args.dp_noise_multiplier}")
     if args.micro_batch is not None and args.accumulate is not None:
         p.error("--micro-batch sets the accumulation (G / (N * B) micro-batches per process): drop --accumulate. "
                 f"Received: --micro-batch={args.micro_batch} --accumulate={args.accumulate}")
@@ -166,7 +164,7 @@ def build_model(keras, args):
         optimizer = dm.DecoupledWeightDecay(optimizer, args.weight_decay, exclude_from_weight_decay=["bias"])
     if private(args):
         optimizer = dm.DifferentialPrivacy(optimizer, l2_norm_clip=args.dp_l2_norm_clip,
-                                           noise_multiplier=args.dp_noise_multiplier)
+                                           noise_multiplier=args.dp_noise_multiplier, seed=args.dp_seed)
     if args.moving_average is not None:
         optimizer = dm.MovingAverage(optimizer, average_decay=args.moving_average)
     return model, optimizer

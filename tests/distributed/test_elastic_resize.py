@@ -14,7 +14,8 @@ every 4 batches, against runs never resized:
   2 workers, 4 on 1), and 4 workers shrunk to 2: within 1e-6 of the uninterrupted run
   (the sums' order differs);
 * too few slots after a failure (--min-np 2): the job stops with a clear message, and the
-  checkpoint it leaves resumes on 1 worker, sharded optimizer state included.
+  checkpoint it leaves resumes on 1 worker, sharded optimizer state and DP-SGD (its noise
+  and its accounting) included.
 
 The first two under horovod-gloo and MultiWorkerMirroredStrategy, the others under
 horovod-gloo; each job bounded by the launcher's timeout."""
@@ -37,6 +38,7 @@ LAUNCHERS = [pytest.param("horovod-gloo", marks=requires_horovod), "multiworker"
 TRAIN = os.path.join(proc.ROOT, "launch", "train.py")
 FLAGS = ["--epochs", "2", "--global-batch", "64", "--checkpoint-every", "4"]
 FINGERPRINTS = r"\[train\] (weights|optimizer) fingerprint ([0-9a-f]{16})"
+EPSILON = r"\[train\] DP-SGD: epsilon [0-9.]+ at delta .*"
 
 
 def discovery(tmp_path, before: int, after: int) -> Discovery:
@@ -76,7 +78,7 @@ def reference(tmp_path_factory):
                                      timeout=proc.JOB_TIMEOUT / 3, python=sys.executable, out=f, child_output=f)
             text = log.read_text()
             assert rc == 0, text[-4000:]
-            found[key] = dict(re.findall(FINGERPRINTS, text)), weights(tmp / "w.npz")
+            found[key] = dict(re.findall(FINGERPRINTS, text)), weights(tmp / "w.npz"), re.findall(EPSILON, text)
         return found[key]
     return get
 
@@ -150,9 +152,10 @@ def test_four_workers_shrunk_to_two_stay_within_rounding(tmp_path, reference):
 @requires_horovod
 def test_too_few_slots_stop_the_job_and_its_checkpoint_resumes_elsewhere(tmp_path, reference):
     """--min-np 2: after the loss discovery reports 1 slot; the job waits 2 s, stops with
-    status 1 and a message; the same job with --min-np 1 resumes that (sharded) checkpoint
-    on 1 worker and ends as the uninterrupted run."""
-    sharded = ["--shard-optimizer-state"]
+    status 1 and a message; the same job with --min-np 1 resumes that checkpoint (sharded
+    state, DP-SGD with a fixed noise seed: its seed and draw counter are state) on 1
+    worker and ends as the uninterrupted run, with the same privacy accounting."""
+    sharded = ["--shard-optimizer-state", "--dp-noise-multiplier", "1.0", "--dp-seed", "5"]
     rc, text = elastic(tmp_path, "stopped", discovery(tmp_path, 2, 1), extra=["--fail-at", "7", "--fail-rank", "1",
                                                                               *sharded],
                        min_np=2, interval=0.5, slots_timeout=2)
@@ -161,5 +164,8 @@ def test_too_few_slots_stop_the_job_and_its_checkpoint_resumes_elsewhere(tmp_pat
     rc, text = elastic(tmp_path, "resumed", discovery(tmp_path, 1, 1), extra=sharded)
     assert rc == 0, text[-5000:]
     assert "[train] resumed after update 4 from" in text, text[-4000:]
-    assert last(text)["weights"] == reference(2)[0]["weights"]
+    dp = ("--dp-noise-multiplier", "1.0", "--dp-seed", "5")
+    assert last(text)["weights"] == reference(2, extra=dp)[0]["weights"]
+    assert reference(2, extra=dp)[2] and re.findall(EPSILON, text) == reference(2, extra=dp)[2]  # the same
+    # updates at the same sampling rate: the same epsilon
     assert not proc.survivors(TRAIN)
