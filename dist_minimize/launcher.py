@@ -29,7 +29,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Sequence
 
@@ -54,6 +53,8 @@ from dist_minimize.launch.report import BIND_FAILURE, _failure, _forward, descri
 from dist_minimize.launch.procs import (  # noqa: F401  (re-exported, the private ones too)
     _address,
     _alive,
+    _job_dirs,
+    _wait_ports_free,
     _kill,
     _process_tree,
     _report_exposed,
@@ -287,39 +288,6 @@ def _attempt(job, attempt: int, watch=None):
             print(f"[launch] port {taken} was taken by another process after it was chosen ({BIND_FAILURE}); "
                   "starting again on new ports", file=out, flush=True)
     return status, failure
-
-
-def _wait_ports_free(port: int, np: int, out, bound: float = 60.0) -> None:
-    """Waits until the multiworker ports port..port+np-1 can be bound again."""
-    import socket
-
-    deadline = time.monotonic() + bound
-    for p in range(port, port + np):
-        while True:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        print(f"[launch] port {p} still busy after {bound:.0f} s; starting anyway", file=out,
-                              flush=True)
-                        return
-            time.sleep(0.5)
-
-
-def _job_dirs() -> tuple[str, str | None]:
-    """A private (0700) temporary directory for the job's TMPDIR and, where /dev/shm is
-    writable, one there for Open MPI's shared-memory segments (Open MPI 4.1.4 leaves its
-    4 MiB `vader_segment.*` files in /dev/shm after a job that succeeded)."""
-    tmpdir = tempfile.mkdtemp(prefix="dist_minimize-job-")
-    shm = None
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        try:
-            shm = tempfile.mkdtemp(prefix="dist_minimize-job-", dir="/dev/shm")
-        except OSError:
-            shm = None
-    return tmpdir, shm
 
 
 def _launch_once(job, attempt: int, watch=None):

@@ -1,7 +1,7 @@
 """The launcher's view of a running job, read from Linux's /proc (no ss, lsof or psutil
 needed): the TCP ports its processes listen on (and the `[launch] exposed:` line for each
 one beyond loopback), the tree of processes descended from its workers, and stopping all
-of them. Part of `dist_minimize.launcher`, which re-exports `listening_sockets` and
+of them; and a job's private temporary directories and waiting for its ports to free. Part of `dist_minimize.launcher`, which re-exports `listening_sockets` and
 `is_loopback`; like it, this module needs no TensorFlow.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import tempfile
 import time
 from typing import Sequence
 
@@ -174,3 +175,36 @@ def _signal(p, sig) -> None:
         os.killpg(p.pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _wait_ports_free(port: int, np: int, out, bound: float = 60.0) -> None:
+    """Waits until the multiworker ports port..port+np-1 can be bound again."""
+    import socket
+
+    deadline = time.monotonic() + bound
+    for p in range(port, port + np):
+        while True:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        print(f"[launch] port {p} still busy after {bound:.0f} s; starting anyway", file=out,
+                              flush=True)
+                        return
+            time.sleep(0.5)
+
+
+def _job_dirs() -> tuple[str, str | None]:
+    """A private (0700) temporary directory for the job's TMPDIR and, where /dev/shm is
+    writable, one there for Open MPI's shared-memory segments (Open MPI 4.1.4 leaves its
+    4 MiB `vader_segment.*` files in /dev/shm after a job that succeeded)."""
+    tmpdir = tempfile.mkdtemp(prefix="dist_minimize-job-")
+    shm = None
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        try:
+            shm = tempfile.mkdtemp(prefix="dist_minimize-job-", dir="/dev/shm")
+        except OSError:
+            shm = None
+    return tmpdir, shm
