@@ -153,7 +153,7 @@ class Checkpointer:
         if sharded is not None:  # written sharded: read back on any number of processes
             self._checkpoint(sharded).read(os.path.join(path, "state")).assert_existing_objects_matched()
             sharded_checkpoint.read(path, sharded, self.optimizer, self.model.trainable_variables)
-        elif self._sharded and _task_count() > 1:
+        elif self._sharded and _worker()[1] > 1:
             raise ValueError(
                 f"The checkpoint {path} was written with the optimizer state unsharded; this run shards "
                 "it (shard_optimizer_state=True) over several processes. Resume it unsharded (on any "
@@ -162,13 +162,13 @@ class Checkpointer:
             self._checkpoint().read(os.path.join(path, "state")).assert_existing_objects_matched()
         own = local.checkpointed(self.model, self.optimizer)
         if own:
-            local.read(self.directory, os.path.basename(path), _task(), own)
+            local.read(self.directory, os.path.basename(path), _worker()[0], own)
         if step != meta["step"]:  # another accumulation (workers changed): windows start at the new count
             _set_micro_steps(self.optimizer, step)
             if self._is_writer():
                 print(f"[dist_minimize] resumed update {step // self._micro} of {path}: written by "
                       f"{meta.get('workers', '?')} worker(s) making {meta['micro_steps_per_update']} micro-batches "
-                      f"per update, now {_task_count()} making {self._micro}", flush=True)
+                      f"per update, now {_worker()[1]} making {self._micro}", flush=True)
         self.step = self._saved = step
         return step
 
@@ -179,7 +179,7 @@ class Checkpointer:
         `dm.elastic` job on another number of workers, whose update t takes the same
         micro-batches on any N)."""
         written_micro = meta.get("micro_steps_per_update", self._micro)
-        written_workers, workers = meta.get("workers", _task_count()), _task_count()
+        written_workers, workers = meta.get("workers", _worker()[1]), _worker()[1]
         if written_micro != self._micro and written_micro * written_workers != self._micro * workers:
             raise ValueError(
                 f"The checkpoint {path} was written by {written_workers} worker(s) making {written_micro} "
@@ -208,14 +208,14 @@ class Checkpointer:
         name = f"{PREFIX}{self.step // self._micro:09d}"  # updates: the same on any number of workers
         own = local.checkpointed(self.model, self.optimizer)
         if own:  # each process's own, beside the shared files, all written before rank 0 publishes
-            local.write(self.directory, name, _task(), own)
+            local.write(self.directory, name, _worker()[0], own)
         if self._sharded:  # every process writes its share (its barriers follow the local files)
             self._saved = self.step
-            return sharded_checkpoint.save(self, name, _task())
+            return sharded_checkpoint.save(self, name, _worker()[0])
         if own:
             self._any_worker(False)
         writer = self._is_writer()
-        tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_task()}-{name}")
+        tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_worker()[0]}-{name}")
         if not writer and distribute.horovod_size() > 1:
             self._saved = self.step
             return None  # Horovod: rank 0 writes alone (the accumulators are zero here)
@@ -238,7 +238,7 @@ class Checkpointer:
         state then holds the model only)."""
         self._checkpoint(sharded).write(os.path.join(path, "state"))
         meta = {"step": self.step, "updates": int(self.optimizer.iterations.numpy()),
-                "micro_steps_per_update": self._micro, "workers": _task_count()}
+                "micro_steps_per_update": self._micro, "workers": _worker()[1]}
         with open(os.path.join(path, "meta.json"), "w") as f:
             json.dump(meta if sharded is None else {**meta, "sharded": sharded}, f)
         for root, _, files in os.walk(path):
@@ -261,7 +261,7 @@ class Checkpointer:
         self._any_worker(False)  # a barrier: no worker leaves while another still writes
         self.close()
         code = self.exit_code if self.directory else 128 + signal.SIGTERM
-        if _task_count() > 1 and distribute.horovod_size() <= 1:
+        if _worker()[1] > 1 and distribute.horovod_size() <= 1:
             from dist_minimize import cluster
 
             cluster.exit_worker(code)
@@ -369,7 +369,7 @@ class Checkpointer:
                     f"steps={steps}. Call step_done() once per batch, from the first batch on.")
 
     def _is_writer(self) -> bool:
-        return _task() == 0
+        return _worker()[0] == 0
 
     def _prune(self) -> None:
         names = [name for _, name in _complete(self.directory)]
@@ -383,7 +383,7 @@ class Checkpointer:
         hvd = distribute.horovod()
         if hvd is not None and hvd.size() > 1:
             return int(hvd.allreduce(tf.constant(int(flag)), op=hvd.Sum, name="dm_checkpoint_agree")) > 0
-        if _task_count() > 1:
+        if _worker()[1] > 1:
             if self._agree_fn is None:
                 strategy = self._strategy
 
@@ -422,25 +422,16 @@ def _set_micro_steps(optimizer, step: int) -> None:
             counter.assign(step)
 
 
-def _task() -> int:
-    """This process's rank (Horovod) or worker index (TF_CONFIG), 0 alone."""
+def _worker() -> tuple[int, int]:
+    """(this process's rank or worker index, how many there are): Horovod's, else
+    TF_CONFIG's, else (0, 1)."""
     hvd = distribute.horovod()
     if hvd is not None:
-        return hvd.rank()
+        return hvd.rank(), hvd.size()
     from dist_minimize import cluster
 
     info = cluster._from_tf_config(os.environ)
-    return info.rank if info is not None else 0
-
-
-def _task_count() -> int:
-    hvd = distribute.horovod()
-    if hvd is not None:
-        return hvd.size()
-    from dist_minimize import cluster
-
-    info = cluster._from_tf_config(os.environ)
-    return info.size if info is not None else 1
+    return (info.rank, info.size) if info is not None else (0, 1)
 
 
 def _remove_temporaries(directory: str) -> None:

@@ -309,6 +309,19 @@ def checkpointer(args, model, optimizer, rank: int):
     return ckpt, fault
 
 
+def micro_batches_per_update(args, workers: int) -> int:
+    """--micro-batch: the micro-batches each of `workers` accumulates per update (G / (N b)),
+    said in the job's log; an N that cannot share G ends the job naming the admissible ones."""
+    import dist_minimize as dm
+
+    try:
+        k = dm.elastic.accumulation_steps(args.global_batch, args.micro_batch, workers)
+    except ValueError as e:
+        raise SystemExit(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: {e}")
+    print(f"[train] workers {workers}, micro-batches per update {k}, global batch {args.global_batch}", flush=True)
+    return k
+
+
 def run_fit(args, strategy=None) -> float:
     """Horovod (strategy None) or MirroredStrategy: model.fit."""
     import keras
@@ -331,17 +344,12 @@ def run_fit(args, strategy=None) -> float:
             return dm.horovod_keras.shard(tf.data.Dataset.from_tensor_slices((x_train, y_train))).batch(
                 local_batch, drop_remainder=True)
         if args.micro_batch is not None:  # the same micro-batches, and sums, on any number of processes
-            try:
-                args.accumulate = dm.elastic.accumulation_steps(args.global_batch, args.micro_batch, size)
-            except ValueError as e:
-                raise SystemExit(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: {e}")
+            args.accumulate = micro_batches_per_update(args, size)
             local_batch = args.micro_batch
 
             def train():
                 return dm.elastic.micro_batches(tf.data.Dataset.from_tensor_slices((x_train, y_train)),
                                                 args.global_batch, args.micro_batch, size, rank, len(x_train))
-            print(f"[train] workers {size}, micro-batches per update {args.accumulate}, global batch "
-                  f"{args.global_batch}", flush=True)
         callbacks = [dm.horovod_keras.BroadcastVariablesCallback(), dm.horovod_keras.MetricAverageCallback()]
         verbose = dm.horovod_keras.verbosity(2)
         scope = None
@@ -409,14 +417,9 @@ def run_multiworker(args) -> float:
         if n != workers:
             raise SystemExit(f"--micro-batch under --backend multiworker takes one replica per worker. "
                              f"Received: {n} replicas on {workers} workers")
-        try:
-            args.accumulate = dm.elastic.accumulation_steps(args.global_batch, args.micro_batch, n)
-        except ValueError as e:
-            raise SystemExit(f"--global-batch {args.global_batch} --micro-batch {args.micro_batch}: {e}")
+        args.accumulate = micro_batches_per_update(args, n)
         per_replica, loss_batch = args.micro_batch, args.micro_batch * n  # each micro-batch's mean / n
         steps = len(x_train) // args.global_batch * args.accumulate  # this worker's micro-batches an epoch
-        print(f"[train] workers {n}, micro-batches per update {args.accumulate}, global batch {args.global_batch}",
-              flush=True)
     elif args.global_batch % n:
         raise SystemExit(f"--global-batch must be divisible by the {n} replicas. "
                          f"Received: --global-batch={args.global_batch}")
