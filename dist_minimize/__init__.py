@@ -45,7 +45,7 @@ from dist_minimize.transforms import (  # noqa: F401
 )
 from dist_minimize.transforms.consistency import ConsistencyCheck, check_consistency  # noqa: F401
 from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps, limit_nonfinite_steps  # noqa: F401
-from dist_minimize.wrapper import OptimizerWrapper, swap_values  # noqa: F401
+from dist_minimize.wrappers.base import OptimizerWrapper, swap_values  # noqa: F401
 from dist_minimize.wrappers import (  # noqa: F401
     SWA,
     DecoupledWeightDecay,

@@ -18,7 +18,7 @@ from dist_minimize.sharding import sharded_state
 from dist_minimize.sharding import local
 from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite  # noqa: F401  (re-exported: dist_minimize.all_finite)
-from dist_minimize.aggregation import once
+from dist_minimize.aggregation import exactly_once
 from dist_minimize.step.context import CONTEXT
 from dist_minimize.staged import StagedOptimizer, _delegated_learning_rate
 
@@ -176,7 +176,7 @@ class Optimizer(StagedOptimizer):
             sharded_state.check_transforms(list(gradient_fns) + list(translation.clippers))
         _keras_settings.disable(inner, translation)
         super().__init__(learning_rate=_delegated_learning_rate, name=name if name is not None else inner.name)
-        once.neutralise(inner)
+        exactly_once.neutralise(inner)
         self.inner_optimizer = inner
         self._loss_fns = tuple(loss_fns)
         self._unaggregated_fns = tuple(unaggregated_fns)
@@ -208,7 +208,7 @@ class Optimizer(StagedOptimizer):
         backend that declares its plan (`Aggregator.planned_collectives`) must make
         exactly that many collectives.
         """
-        once.note_aggregation(f"{type(self).__name__} {self.name!r}")
+        exactly_once.note_aggregation(f"{type(self).__name__} {self.name!r}")
         if self._sharding is not None and self._sharding.active():
             return self._sharding.reduce_scatter(grads_and_vars, self._local.scaled)
         if self._local:
@@ -219,7 +219,7 @@ class Optimizer(StagedOptimizer):
         for agg in self._aggregators:
             stage = f"aggregate_gradients ({_fn_name(agg)})"
             plan = agg.planned_collectives(grads_and_vars) if isinstance(agg, aggregation.Aggregator) else None
-            with once.planned(plan, f"`{stage}`"):
+            with exactly_once.planned(plan, f"`{stage}`"):
                 out = agg(grads_and_vars)
             grads_and_vars = stages.check_stage_output(stage, grads_and_vars, out)
         return grads_and_vars
@@ -285,7 +285,7 @@ class Optimizer(StagedOptimizer):
     def apply_updates(self, grads_and_vars):
         """Applies the gradients with the inner Keras optimizer's update rule (no all-reduce)."""
         rule = self.inner_optimizer
-        with once.update_rule(f"The update rule of {type(self).__name__} {self.name!r} "
+        with exactly_once.update_rule(f"The update rule of {type(self).__name__} {self.name!r} "
                               f"({type(rule).__name__} {rule.name!r})"):
             device = CONTEXT.device
             if device is None:
@@ -337,7 +337,7 @@ class Optimizer(StagedOptimizer):
                 fn.build(self, var_list)
         with sharded_state.local_state(self):  # the update rule's slots: this process's own
             self.inner_optimizer.build(var_list)
-        once.neutralise(self.inner_optimizer)  # sub-optimizers a router creates in `build`
+        exactly_once.neutralise(self.inner_optimizer)  # sub-optimizers a router creates in `build`
 
     @property
     def skip_nonfinite(self) -> bool:

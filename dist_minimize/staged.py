@@ -32,7 +32,7 @@ from dist_minimize._keras_surface import KerasSurface
 from dist_minimize._per_device import PerDeviceUpdate
 from dist_minimize._slots import SlotStorage, _BuiltState
 from dist_minimize.step.context import CONTEXT
-from dist_minimize.aggregation import once
+from dist_minimize.aggregation import exactly_once
 
 
 class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.UntrackedBaseState,
@@ -164,7 +164,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
                 f"pass `loss` as a zero-argument callable. Received: loss={loss!r}, tape=None")
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"`loss_fn` must be a zero-argument callable. Received: loss_fn={loss_fn!r}")
-        with once.step(self._aggregations_allowed()):
+        with exactly_once.step(self._aggregations_allowed()):
             with tape:
                 value = self.transform_loss(loss if loss is not None else loss_fn())
             again = (lambda: self.transform_loss(loss_fn())) if loss_fn is not None else None
@@ -263,7 +263,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
                 "the strategy synchronises its replicas through merge_call, and TensorFlow cannot "
                 "compile such a step (stock Keras fails at run time: 'Trying to access resource ... "
                 "located in device ...'); Keras's own default under a strategy is jit_compile=False")
-        with distribute.deferred_updates() as pending, once.step(top._aggregations_allowed()):
+        with distribute.deferred_updates() as pending, exactly_once.step(top._aggregations_allowed()):
             if aggregate:
                 aggregated = top.aggregate_gradients(list(grads_and_vars))
                 # A sharded step's aggregation returns this process's share of the pairs.
@@ -321,15 +321,15 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
 
     def _apply_and_notify(self, grads_and_vars: list) -> None:
         # Every hook under the update contract: a collective inside raises, naming it.
-        with once.step_hook(self, "apply_updates"):
+        with exactly_once.step_hook(self, "apply_updates"):
             self.apply_updates(grads_and_vars)
         for opt in reversed(self.stack()):
-            with once.step_hook(opt, "on_applied"):
+            with exactly_once.step_hook(opt, "on_applied"):
                 opt.on_applied(grads_and_vars)
 
     def _notify_skipped(self) -> None:
         for opt in reversed(self.stack()):
-            with once.step_hook(opt, "on_skipped"):
+            with exactly_once.step_hook(opt, "on_skipped"):
                 opt.on_skipped()
 
     def stack(self) -> list:

@@ -105,7 +105,7 @@ def hearing_all_reduce():
     (`distribute_lib`, private; inherited by every strategy's replica context) calls the
     registered listeners first, then reduces as before. The first thread in wraps it,
     the last one out puts back what was there, so outside dist_minimize's own step
-    TensorFlow is unchanged. `dist_minimize.aggregation.once` hears with it a collective
+    TensorFlow is unchanged. `dist_minimize.aggregation.exactly_once` hears with it a collective
     made where none may run.
     """
     from tensorflow.python.distribute import distribute_lib

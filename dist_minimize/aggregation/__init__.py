@@ -31,7 +31,7 @@ from dist_minimize.aggregation.base import Aggregator, IdentityAggregator, refus
 from dist_minimize import _compat, distribute
 from dist_minimize.aggregation.horovod import HorovodAggregator
 from dist_minimize.aggregation.nccl import NcclAggregator, is_gpu, nccl_plan
-from dist_minimize.aggregation.once import AggregationError
+from dist_minimize.aggregation.exactly_once import AggregationError
 from dist_minimize.aggregation.strategy import StrategyAggregator
 
 _BACKENDS = {

@@ -43,7 +43,7 @@ class Aggregator(abc.ABC):
 
         A tf.distribute replica-context `all_reduce` call counts as one, however many
         tensors it batches; under Horovod, each collective op. Checked when the call is
-        traced (`dist_minimize.aggregation.once.planned`): an aggregator that makes
+        traced (`dist_minimize.aggregation.exactly_once.planned`): an aggregator that makes
         another number fails with `AggregationError`.
         """
         return None

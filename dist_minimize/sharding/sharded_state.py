@@ -23,7 +23,7 @@ from dist_minimize import _compat, distribute
 from dist_minimize.sharding import shards
 from dist_minimize.step.stages import elements_of
 from dist_minimize.step.context import CONTEXT
-from dist_minimize.aggregation import once, sharded
+from dist_minimize.aggregation import exactly_once, sharded
 from dist_minimize.aggregation.strategy import one_replica_per_process
 
 logger = logging.getLogger("dist_minimize")
@@ -178,7 +178,7 @@ class Sharding:
         owners = [self.owner(v) for _, v in grads_and_vars]  # a rank-local variable's: this process
         shared = [(p, o) for p, o, is_local in zip(grads_and_vars, owners, local) if not is_local]
         plan = backend.planned_reduce_scatters([p for p, _ in shared], [o for _, o in shared])
-        with once.planned(plan, f"`aggregate_gradients ({backend.name}, sharded)`"):
+        with exactly_once.planned(plan, f"`aggregate_gradients ({backend.name}, sharded)`"):
             mine = iter(backend.reduce_scatter([p for p, _ in shared], [o for _, o in shared]))
         scaled = iter(scale_local([p for p, is_local in zip(grads_and_vars, local) if is_local]))
         out = [next(scaled) if is_local else next(mine)

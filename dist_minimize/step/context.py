@@ -47,7 +47,7 @@ class StepContext(threading.local):
         this step's gradients so far (`aggregate_gradients` may run `allowed_aggregations`
         times: once, plus what the stack's optimizers declare in `extra_aggregations`).
       allowed_aggregations: see `aggregations`.
-      zones: the watched parts of the step being run (`dist_minimize.aggregation.once`:
+      zones: the watched parts of the step being run (`dist_minimize.aggregation.exactly_once`:
         the update rule, each step hook, each backend's planned collectives), innermost
         last; a collective made inside one is recorded there, or refused.
       writes: None, or the replicated writes (`dist_minimize.distribute.assign_replicated`)

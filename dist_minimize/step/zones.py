@@ -1,4 +1,4 @@
-"""Zones of a step where collectives are watched (`dist_minimize.aggregation.once`): a
+"""Zones of a step where collectives are watched (`dist_minimize.aggregation.exactly_once`): a
 thread's stack of zones (`StepContext.zones`), and the error a forbidden collective raises. Low in the package so
 that `distribute` can refuse its own collectives inside a forbidding zone too."""
 

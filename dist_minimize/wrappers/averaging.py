@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from dist_minimize.sharding import sharded_state
 from dist_minimize.step.stages import variable_name
-from dist_minimize.wrapper import OptimizerWrapper, swap_values
+from dist_minimize.wrappers.base import OptimizerWrapper, swap_values
 
 logger = logging.getLogger("dist_minimize")
 

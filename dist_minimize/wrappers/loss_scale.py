@@ -9,7 +9,7 @@ from dist_minimize import distribute
 from dist_minimize.step.finite import all_finite
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_finite, check_positive_int, map_gradient
-from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrappers.base import OptimizerWrapper
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")

@@ -10,7 +10,7 @@ import tensorflow as tf
 from dist_minimize import distribute
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_positive_finite
-from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrappers.base import OptimizerWrapper
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")

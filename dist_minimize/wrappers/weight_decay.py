@@ -13,7 +13,7 @@ from dist_minimize import distribute
 from dist_minimize.step.stages import variable_name
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative
-from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrappers.base import OptimizerWrapper
 
 
 @keras.saving.register_keras_serializable(package="dist_minimize")

@@ -16,7 +16,7 @@ import dist_minimize as dm
 import jobs
 import parity_lib as P
 from conftest import mirrored_strategy, requires_horovod
-from dist_minimize.aggregation import once
+from dist_minimize.aggregation import exactly_once
 from jobs import run_param
 
 pytestmark = pytest.mark.distributed
@@ -115,7 +115,7 @@ def test_every_reachable_keras_optimizer_is_neutralised():
         opt.build(model.trainable_variables)
         subs = rule.optimizers
         assert len(subs) == 2
-        found = once.keras_optimizers(rule)
+        found = exactly_once.keras_optimizers(rule)
         assert found[0] is rule and all(any(s is f for f in found) for s in subs)
         for sub in [rule, *subs]:
             assert sub._all_reduce_sum_gradients([(1, 2)]) == [(1, 2)], type(sub).__name__
@@ -170,7 +170,7 @@ def test_an_update_rule_that_aggregates_again_is_refused(rule, named, skip_nonfi
         v = keras.Variable([1.0, 2.0])
         opt = dm.Optimizer(rule(), skip_nonfinite=skip_nonfinite)
         opt.build([v])
-    with pytest.raises(once.AggregationError, match=named) as e:
+    with pytest.raises(exactly_once.AggregationError, match=named) as e:
         custom_step(opt, v, eager)()
     assert "aggregate_gradients" in str(e.value) and "sub-optimizer" in str(e.value)
     np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
@@ -198,7 +198,7 @@ def test_a_step_hook_that_synchronises_is_refused_naming_it(rule):
         inner = keras.optimizers.SGD(0.1) if rule == "sgd" else keras.optimizers.Nadam(0.1)
         opt = ReducesInAHook(dm.Optimizer(inner))
         opt.build([v])
-    with pytest.raises(once.AggregationError, match=r"The step hook `ReducesInAHook.on_applied` made a collective") as e:
+    with pytest.raises(exactly_once.AggregationError, match=r"The step hook `ReducesInAHook.on_applied` made a collective") as e:
         custom_step(opt, v)()
     assert "update_condition" in str(e.value) and "sum_across" in str(e.value)
     np.testing.assert_array_equal(v.numpy(), [1.0, 2.0])
@@ -215,7 +215,7 @@ def test_a_stage_that_aggregates_again_is_refused():
         v = keras.Variable([1.0, 2.0])
         opt = AggregatesAgain(dm.Optimizer(keras.optimizers.SGD(0.1)))
         opt.build([v])
-    with pytest.raises(once.AggregationError, match="ran 2 times in one step"):
+    with pytest.raises(exactly_once.AggregationError, match="ran 2 times in one step"):
         custom_step(opt, v)()
 
 
@@ -232,7 +232,7 @@ def test_an_aggregator_that_breaks_its_plan_is_refused():
         v = keras.Variable([1.0, 2.0])
         opt = dm.Optimizer(keras.optimizers.SGD(0.1), aggregate_gradients=TwiceAggregator())
         opt.build([v])
-    with pytest.raises(once.AggregationError, match="planned 1 collective and made 2"):
+    with pytest.raises(exactly_once.AggregationError, match="planned 1 collective and made 2"):
         custom_step(opt, v)()
 
 

@@ -50,7 +50,7 @@ def test_every_public_name_of_0_1_still_resolves():
         assert callable(getattr(dm.distribute, name)), name
     # Where the classes used to be imported from.
     from dist_minimize.optimizer import Optimizer, StagedOptimizer, all_finite  # noqa: F401
-    from dist_minimize.wrapper import OptimizerWrapper, swap_values  # noqa: F401
+    from dist_minimize.wrappers.base import OptimizerWrapper, swap_values  # noqa: F401
 
 
 def uninterrupted():

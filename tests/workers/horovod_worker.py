@@ -358,7 +358,7 @@ elif scenario == "keras_rules":
             P.train(default, "sgd", "callable", wrap=make, dataset=P.local_dataset(rank, size),
                     loss_denominator=P.GLOBAL_BATCH // size)
             results[key] = None
-        except dm.aggregation.once.AggregationError as e:
+        except dm.aggregation.exactly_once.AggregationError as e:
             results[key] = str(e)
 elif scenario == "mpi":
     from mpi4py import MPI

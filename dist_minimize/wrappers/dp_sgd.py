@@ -12,7 +12,7 @@ from dist_minimize import distribute
 from dist_minimize.step.context import CONTEXT
 from dist_minimize.staged import StagedOptimizer
 from dist_minimize.transforms.base import check_nonnegative, check_positive_finite, check_positive_int
-from dist_minimize.wrapper import OptimizerWrapper
+from dist_minimize.wrappers.base import OptimizerWrapper
 
 _SEED_LIMIT = 2 ** 63
 
