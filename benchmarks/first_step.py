@@ -142,8 +142,6 @@ def loop_step(backend: Backend, model_name: str, kind: str):
         if kind in ("dm", "dm_whole"):
             opt = dm.Optimizer(keras.optimizers.Adam(LR), transform_gradients=dm.clip_by_global_norm(CLIP),
                                aggregate_gradients="horovod" if horovod else "auto")
-            if kind == "dm_whole":  # the guarded update as run_if's one cond, not device by device
-                object.__setattr__(opt, "_per_device_ok", lambda grads_and_vars: False)
         else:
             opt = keras.optimizers.Adam(LR)
             opt._all_reduce_sum_gradients = lambda grads_and_vars: list(grads_and_vars)  # the hand-written anchor
@@ -189,6 +187,13 @@ def loop_step(backend: Backend, model_name: str, kind: str):
     def step(x, y):
         backend.strategy.run(replica, args=(x, y))
 
+    if kind == "dm_whole":  # traced now, with the guarded update as run_if's one cond, not device by device
+        from unittest import mock
+
+        from dist_minimize import _per_device
+
+        with mock.patch.object(_per_device, "possible", lambda top, grads_and_vars: False):
+            step.get_concrete_function(*args)
     return step, args, model
 
 

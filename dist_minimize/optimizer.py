@@ -291,7 +291,7 @@ class Optimizer(StagedOptimizer):
             if device is None:
                 rule.apply_gradients(grads_and_vars)
                 return
-            # Inside the per-device update (`StagedOptimizer._per_device_ok`): what Keras's
+            # Inside the per-device update (`dist_minimize._per_device.possible`): what Keras's
             # `apply` makes on every device, made on this one.
             _compat.keras_apply_on_device(rule, tf.distribute.get_strategy(), device,
                                           [g for g, _ in grads_and_vars], [v for _, v in grads_and_vars],

@@ -29,13 +29,13 @@ from dist_minimize.sharding import shards
 from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
-from dist_minimize._per_device import PerDeviceUpdate
+from dist_minimize import _per_device
 from dist_minimize._slots import SlotStorage, _BuiltState
 from dist_minimize.step.context import CONTEXT
 from dist_minimize.aggregation import exactly_once
 
 
-class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.UntrackedBaseState,
+class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
                       keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
@@ -237,7 +237,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
         TensorFlow does not lower (`_compat.unlowered_cond`): in each process without a
         merge-call strategy (one device, Horovod), and device by device under
         MirroredStrategy and MultiWorkerMirroredStrategy; where the Keras rule allows it
-        (`_per_device_ok`) its step counter and learning rate are read before the
+        (`_per_device.possible`) its step counter and learning rate are read before the
         branch, and under a merge-call strategy where it does not, the branch is
         `run_if`'s one cond taken in the cross-replica context.
         Wrappers pass the call inward, so a wrapper that changes WHEN the update
@@ -278,8 +278,8 @@ class StagedOptimizer(KerasSurface, SlotStorage, PerDeviceUpdate, _compat.Untrac
             distribute.flush_updates(pending)
             top._apply_and_notify(grads_and_vars)
             return
-        if top._per_device_ok(grads_and_vars):
-            top._update_device_by_device(condition, grads_and_vars, pending, scaled)
+        if _per_device.possible(top, grads_and_vars):
+            _per_device.update(top, condition, grads_and_vars, pending, scaled)
         else:
             distribute.run_if(condition, top._apply_and_notify, args=(grads_and_vars,),
                               otherwise=top._notify_skipped, updates=pending)

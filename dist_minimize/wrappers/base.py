@@ -55,9 +55,6 @@ class OptimizerWrapper(StagedOptimizer):
       ...         return super().transform_loss(loss * 2.0)
     """
 
-    # Its step hooks only read and write variables: they may run device by device
-    # (`StagedOptimizer._per_device_ok`).
-
     def __init__(self, optimizer: StagedOptimizer, name: str | None = None):
         if not isinstance(optimizer, StagedOptimizer):
             raise TypeError(

@@ -32,9 +32,6 @@ class Lookahead(OptimizerWrapper):
         Lookahead in the stack.
     """
 
-    # Its step hooks only read and write variables: they may run device by device
-    # (`StagedOptimizer._per_device_ok`).
-
     once_per_stack = True
     shards_state = True  # per-variable work on the pairs it is given, in the step (docs/sharding.md)
 

@@ -81,9 +81,6 @@ class MovingAverage(AveragingWrapper):
         MovingAverage in the stack.
     """
 
-    # Its step hooks only read and write variables: they may run device by device
-    # (`StagedOptimizer._per_device_ok`).
-
     def __init__(self, optimizer: StagedOptimizer, average_decay: float = 0.99, dynamic_decay: bool = False,
                  start_step: int = 0, overwrite_frequency: int | None = None, assign_on_finalize: bool = False,
                  name: str | None = None, *, num_updates: int | tf.Variable | tf.Tensor | None = None):

@@ -37,9 +37,6 @@ class SWA(AveragingWrapper):
         stack.
     """
 
-    # Its step hooks only read and write variables: they may run device by device
-    # (`StagedOptimizer._per_device_ok`).
-
     def __init__(self, optimizer: StagedOptimizer, start_averaging: int = 0, average_period: int = 10,
                  name: str | None = None):
         start_averaging = check_nonnegative_int("start_averaging", start_averaging)

@@ -64,9 +64,6 @@ class DecoupledWeightDecay(OptimizerWrapper):
 
     shards_state = True  # per-variable work on the pairs it is given (docs/sharding.md)
 
-    # Its step hooks only read and write variables: they may run device by device
-    # (`StagedOptimizer._per_device_ok`).
-
     once_per_stack = True
 
     def __init__(self, optimizer: StagedOptimizer, weight_decay: float | Callable,
