@@ -1,11 +1,12 @@
 """The Keras optimizer surface of a dist_minimize optimizer: Keras's settings read back as
 the stack applies them, attributes of the wrapped update rule read through, the Keras
-methods that reach the update rule (`update_step`, `weight_decay`, ...), and Keras's
-entry points to a step (`apply`, and `scale_loss`, which `fit` calls).
+methods that reach the update rule (`update_step`, `weight_decay`, ...), Keras's entry
+points to a step (`apply`, and `scale_loss`, which `fit` calls) and its saving hooks.
 
-A mixin of `StagedOptimizer`; it knows no subclass: each optimizer of a stack answers
-its own Keras settings (`keras_settings()`), and the update rule is found by what holds
-one (`inner_optimizer`).
+A base class of `StagedOptimizer`, not an object it holds: Keras calls every one of these
+names on the optimizer itself, so a held object would need a delegate per name. It knows
+no subclass: each optimizer of a stack answers its own Keras settings
+(`keras_settings()`), and the update rule is found by what holds one (`inner_optimizer`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from dist_minimize import _compat
 from dist_minimize.step import zones
 from dist_minimize.step import stages
 from dist_minimize.step.context import CONTEXT
@@ -55,6 +57,11 @@ def _keras_setting_property(setting: str) -> property:
         # Keras's base constructor assigns each one (its defaults): nothing to keep.
         if not getattr(self, "_dm_constructed", False):
             return
+        if setting in _PER_REPLICA_SETTINGS and value:
+            raise TypeError(
+                f"Setting `{setting}` on a dist_minimize optimizer would change nothing (its Keras "
+                f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[setting].format(value, value)}. "
+                f"Received: {setting}={value!r} on {type(self).__name__}")
         if setting in CLIP_SETTINGS:
             # tf-keras allows `opt.clipnorm = 2.0` between steps: the stack's clipper takes
             # the new bound from the next step (None: off); see `Optimizer.set_clip_bound`.
@@ -132,9 +139,12 @@ class KerasSurface:
         return {}
 
     def __setattr__(self, name, value):
-        # Keras's LossScaleOptimizer sets `inner_optimizer.loss_scale_factor = None` when
-        # it wraps an optimizer (model.compile does so under a mixed_float16 policy).
-        # It would decide skips from one replica's gradients: refuse at compile time.
+        # Keras's settings refuse in their own setters (`_keras_setting_property`), except
+        # this one: Keras's LossScaleOptimizer sets `inner_optimizer.loss_scale_factor =
+        # None` when it wraps an optimizer (model.compile does so under a mixed_float16
+        # policy), and Keras's tracking skips an assignment of the value already read, so
+        # the property would never see it. It would decide skips from one replica's
+        # gradients: refused at compile time.
         if name == "loss_scale_factor" and getattr(self, "_dm_constructed", False):
             raise TypeError(
                 "A dist_minimize optimizer must not be wrapped in Keras's LossScaleOptimizer "
@@ -143,11 +153,6 @@ class KerasSurface:
                 "`model.compile(..., auto_scale_loss=False)` and use "
                 "`dist_minimize.LossScaleOptimizer`. Received: an attempt to set "
                 f"loss_scale_factor={value!r} on {type(self).__name__}")
-        if name in _PER_REPLICA_SETTINGS and value and getattr(self, "_dm_constructed", False):
-            raise TypeError(
-                f"Setting `{name}` on a dist_minimize optimizer would change nothing (its Keras "
-                f"update rule runs inside the stages). Use {_PER_REPLICA_SETTINGS[name].format(value, value)}. "
-                f"Received: {name}={value!r} on {type(self).__name__}")
         if (getattr(self, "_dm_constructed", False) and not name.startswith("_") and name not in self.__dict__
                 and not hasattr(type(self), name)):
             rule = self._dm_update_rule()
@@ -253,6 +258,23 @@ class KerasSurface:
     def _decaying_optimizer(self):
         """The Keras optimizer whose update rule applies `weight_decay`."""
         return self._dm_update_rule()
+
+    def save_own_variables(self, store):
+        """Keras's saving hook: this optimizer's own state (Keras saves each wrapped optimizer, and the
+        inner Keras optimizer, under its own path: every variable is written once)."""
+        for i, variable in enumerate(_compat.own_variables(self)):
+            store[str(i)] = variable.numpy()
+
+    def load_own_variables(self, store):
+        """Restores what `save_own_variables` wrote (ValueError if the count differs)."""
+        own = _compat.own_variables(self)
+        if len(store.keys()) != len(own):
+            raise ValueError(
+                f"Cannot restore optimizer {self.name!r} ({type(self).__name__}): it has {len(own)} "
+                f"state variables and the file holds {len(store.keys())} (built for another model, "
+                "or saved with another optimizer stack).")
+        for i, variable in enumerate(own):
+            variable.assign(store[str(i)])
 
     def stateless_apply(self, optimizer_variables, grads, trainable_variables):
         """Not supported: dist_minimize optimizers are stateful (TensorFlow backend)."""

@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import keras
 import tensorflow as tf
 
-from dist_minimize import _compat, distribute
+from dist_minimize import _compat, _per_device, distribute
 from dist_minimize.sharding import shards
 from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
-from dist_minimize import _per_device
-from dist_minimize._slots import SlotStorage, _BuiltState
+from dist_minimize._slots import SlotTable, build_on_first_use
 from dist_minimize.step.context import CONTEXT
 from dist_minimize.aggregation import exactly_once
 
 
-class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
+class StagedOptimizer(KerasSurface, _compat.UntrackedBaseState,
                       keras.optimizers.Optimizer, metaclass=abc.ABCMeta):
     """Base of every dist_minimize optimizer: the drivers around the six stages.
 
@@ -155,7 +154,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
                 return self.minimize(loss, variables, tape=tape, loss_fn=loss_fn)
         variables = list(variables)
         if not self.built:  # the stages may use the optimizer's state from the first one on
-            self._build_on_first_use(variables)
+            build_on_first_use(self, variables)
         if callable(loss):
             loss, loss_fn, tape = None, loss, tape if tape is not None else tf.GradientTape()
         elif tape is None:
@@ -198,7 +197,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
         if not grads_and_vars:
             return self.iterations
         if not self.built:
-            self._build_on_first_use([v for _, v in grads_and_vars])
+            build_on_first_use(self, [v for _, v in grads_and_vars])
         if aggregate:
             grads_and_vars = self._run_stage(
                 "transform_unaggregated_gradients", self.transform_unaggregated_gradients, grads_and_vars)
@@ -297,6 +296,11 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
             return None
         return all_finite([g for g, _ in grads_and_vars])
 
+    @property
+    @abc.abstractmethod
+    def skip_nonfinite(self) -> bool:
+        """Whether steps with non-finite final gradients are skipped (the guard)."""
+
     def on_applied(self, grads_and_vars: list) -> None:
         """Called after an applied update, on every optimizer of the stack, innermost first.
 
@@ -365,7 +369,7 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
             return
         var_list = list(var_list)
         self._build_wrapped(var_list)
-        self._dm_state = _BuiltState(var_list)
+        self._slot_table = SlotTable(self, var_list)
         # With `shard_optimizer_state=True` at the bottom, every optimizer of the stack
         # keeps state for this process's share of the variables only (`shards_state`).
         var_list = shards.share_of(self, var_list)
@@ -401,14 +405,43 @@ class StagedOptimizer(KerasSurface, SlotStorage, _compat.UntrackedBaseState,
         """Builds whatever this optimizer wraps (subclasses)."""
         return None
 
-    # -- non-finite guard --------------------------------------------------------------
-
     @property
-    @abc.abstractmethod
-    def skip_nonfinite(self) -> bool:
-        """Whether steps with non-finite final gradients are skipped (the guard)."""
+    def trained_variables(self) -> list:
+        """The variables this optimizer was built for, in order (empty before `build`)."""
+        table = getattr(self, "_slot_table", None)
+        return list(table.trained) if table is not None else []
 
-    run_if = staticmethod(distribute.run_if)
+    def add_slot(self, variable, name: str, initializer: Any = "zeros", replica_local: bool = False):
+        """Creates this optimizer's slot `name` for `variable` (in `build_state`) and returns it.
+
+        Args:
+          variable: a trainable variable of `build`'s `var_list`.
+          name: the slot's name (one per purpose: "average", "slow", ...).
+          initializer: a Keras initializer (or its name), or `"value"`: start from the
+            variable's current value.
+          replica_local: False (default): ONE value, identical on every replica, for
+            state computed from aggregated values (averages, slow weights). True: each
+            replica keeps and updates its own copy (accumulators of per-replica
+            gradients); read outside a replica, as checkpoints and `.keras` files do,
+            it is the SUM of the copies, and a restored value is split evenly.
+
+        Raises:
+          ValueError: called before `build_state`, twice for the same slot, or for a
+            variable `build` did not receive.
+        """
+        table = getattr(self, "_slot_table", None)
+        if table is None:
+            raise ValueError(f"`add_slot` must be called from `build_state`. Received: name={name!r}")
+        return table.add(variable, name, initializer, replica_local)
+
+    def slot(self, name: str, variable):
+        """This optimizer's slot `name` of `variable` (KeyError naming both if none)."""
+        return (getattr(self, "_slot_table", None) or SlotTable(self, ())).get(name, variable)
+
+    def slots(self, name: str) -> list:
+        """Slot `name` of every variable this optimizer was built for, in order."""
+        return [self.slot(name, v) for v in self.trained_variables]
+
 
 
 def _delegated_learning_rate():

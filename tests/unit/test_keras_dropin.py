@@ -400,3 +400,17 @@ def test_the_keras_settings_read_on_a_stack_cannot_be_assigned_except_the_clip_b
     plain = dm.Optimizer(keras.optimizers.SGD(LR))
     assert (plain.clipnorm, plain.use_ema, plain.ema_momentum, plain.gradient_accumulation_steps,
             plain.loss_scale_factor) == (None, False, 0.99, None, None)
+
+
+def test_setting_a_per_replica_keras_setting_is_refused_naming_what_to_use():
+    """`gradient_accumulation_steps`, `use_ema` and `loss_scale_factor` act per replica in
+    Keras; set on a dist_minimize optimizer they are refused, naming the wrapper to use."""
+    opt = dm.Optimizer(keras.optimizers.SGD(LR))
+    with pytest.raises(TypeError, match=r"GradientAccumulation\(optimizer, steps=4\).*gradient_accumulation_steps=4"):
+        opt.gradient_accumulation_steps = 4
+    with pytest.raises(TypeError, match=r"MovingAverage\(optimizer.*use_ema=True"):
+        opt.use_ema = True
+    with pytest.raises(TypeError, match=r"auto_scale_loss=False.*loss_scale_factor=None"):
+        opt.loss_scale_factor = None  # what Keras's LossScaleOptimizer does to what it wraps
+    opt.use_ema = False  # Keras's "off", what the stack applies: nothing to refuse
+    assert opt.use_ema is False and opt.gradient_accumulation_steps is None

@@ -6,7 +6,7 @@ Before, building inside the traced replica function failed under MirroredStrateg
 "You must feed a value for placeholder tensor 'cond/else/_1/cond/Placeholder'" (TensorFlow
 could not lift out of the function the initial values of the replicas' copies computed
 there); `minimize`/`apply_gradients` now build in the cross-replica context, outside the
-function (`StagedOptimizer._build_on_first_use`).
+function (`dist_minimize._slots.build_on_first_use`).
 """
 
 import keras
