@@ -48,6 +48,7 @@ from dist_minimize.transforms.nonfinite import LimitNonFiniteSteps, limit_nonfin
 from dist_minimize.wrappers.base import OptimizerWrapper, swap_values  # noqa: F401
 from dist_minimize.wrappers import (  # noqa: F401
     SWA,
+    CompressedAggregation,
     DecoupledWeightDecay,
     DifferentialPrivacy,
     GradientAccumulation,
@@ -64,6 +65,7 @@ __all__ = [
     "ClipByGlobalNorm",
     "ClipByNorm",
     "ClipByValue",
+    "CompressedAggregation",
     "ConsistencyCheck",
     "ContractError",
     "DecoupledWeightDecay",
