@@ -372,6 +372,12 @@ MUTATIONS = [
              "dist_minimize/wrappers/compression.py",
              "tf.where(finite, tf.cast(new, residual.dtype), residual)", "tf.cast(new, residual.dtype)",
              ["tests/unit/test_compression.py::test_a_non_finite_step_is_skipped_and_leaves_the_residual"]),
+    Mutation("compression-residual-not-shared", "under Horovod a checkpoint keeps rank 0's residuals only "
+             "(share_process_state does nothing)",
+             "dist_minimize/wrappers/compression.py",
+             "            residual.assign(mean)\n", "            residual.assign(residual)\n",
+             ["tests/distributed/test_compression.py::"
+              "test_a_checkpoint_evens_the_residuals_out_without_changing_their_average"]),
     Mutation("saved-state-misordered", "an optimizer's saved variables are restored in another order",
              "dist_minimize/_keras_surface.py",
              "            variable.assign(store[str(i)])\n", "            variable.assign(store[str(len(own) - 1 - i)])\n",

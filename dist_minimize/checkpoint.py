@@ -214,11 +214,13 @@ class Checkpointer:
             return sharded_checkpoint.save(self, name, _worker()[0])
         if own:
             self._any_worker(False)
+        for opt in self.optimizer.stack() if distribute.horovod_size() > 1 and hasattr(self.optimizer, "stack") else ():
+            getattr(opt, "share_process_state", lambda: None)()  # Horovod, one file for all: state evened out
         writer = self._is_writer()
         tmp = os.path.join(self.directory, f".tmp-{name}" if writer else f".worker-{_worker()[0]}-{name}")
         if not writer and distribute.horovod_size() > 1:
             self._saved = self.step
-            return None  # Horovod: rank 0 writes alone (the accumulators are zero here)
+            return None  # Horovod: rank 0 writes alone
         os.makedirs(self.directory, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)

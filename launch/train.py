@@ -20,7 +20,9 @@ average of the weights (the test accuracy is also reported with the averages),
 `--dp-noise-multiplier S` trains with DP-SGD (per-example clipping to `--dp-l2-norm-clip`,
 noise added once to the global sum; prints epsilon for `--dp-delta` at the end),
 `--weight-decay W` decays every kernel (not the biases) before each update, and
-`--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`), and
+`--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`),
+`--compression fp16|bf16` sends 16-bit gradients with error feedback
+(`dm.CompressedAggregation`), and
 `--shard-optimizer-state` keeps on each process (horovodrun, mpirun, multiworker) only its
 share of the optimizer state (docs/sharding.md). Every process prints `[train] optimizer state bytes on this
 process: <n>`.
@@ -72,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="horovod, multiworker: the global batch in micro-batches of B samples, each of the N "
                         "workers accumulating G / (N * B) of them per update: the same training on any number of "
                         "workers (dist_minimize.elastic)")
+    p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
+                   help="aggregate 16-bit gradients with error feedback (dm.CompressedAggregation)")
     p.add_argument("--shard-optimizer-state", action="store_true",
                    help="each process keeps the optimizer state of its share of the weights "
                         "(horovod-gloo, horovod-mpi, multiworker launchers)")
@@ -91,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.micro_batch is not None and args.accumulate is not None:
         p.error("--micro-batch sets the accumulation (G / (N * B) micro-batches per process): drop --accumulate. "
                 f"Received: --micro-batch={args.micro_batch} --accumulate={args.accumulate}")
+    if args.compression != "none" and args.shard_optimizer_state:
+        p.error("--compression compresses an all-reduce; a sharded step reduce-scatters instead. Received: "
+                f"--compression={args.compression} --shard-optimizer-state")
     if args.checkpoint_every < 1:
         p.error(f"--checkpoint-every must be >= 1. Received: --checkpoint-every={args.checkpoint_every}")
     if args.replicas < 1:
@@ -158,6 +165,8 @@ def build_model(keras, args):
     inner = keras.optimizers.Adam(lr) if args.optimizer == "adam" else keras.optimizers.SGD(lr)
     optimizer = dm.Optimizer(inner, transform_gradients=dm.clip_by_global_norm(args.clip_norm),
                              shard_optimizer_state=args.shard_optimizer_state)
+    if args.compression != "none":
+        optimizer = dm.CompressedAggregation(optimizer, compression=args.compression)
     if args.accumulate is not None:
         optimizer = dm.GradientAccumulation(optimizer, steps=args.accumulate)
     if args.weight_decay is not None:
@@ -193,6 +202,8 @@ def describe_wrappers(args) -> str:
         parts.append(f"DecoupledWeightDecay({args.weight_decay})")
     if args.accumulate is not None:
         parts.append(f"GradientAccumulation({args.accumulate})")
+    if args.compression != "none":
+        parts.append(f"CompressedAggregation({args.compression!r})")
     sharded = "; optimizer state sharded across the processes" if args.shard_optimizer_state else ""
     return sharded + (("; wrappers " + " > ".join(parts)) if parts else "")
 

@@ -389,13 +389,16 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 
 class ShareAccumulatorsCallback(keras.callbacks.Callback):
-    """Makes rank 0's checkpoint of a `GradientAccumulation` exact for every rank.
+    """Makes rank 0's checkpoint of a `GradientAccumulation` (or a `CompressedAggregation`)
+    exact for every rank.
 
     Each Horovod process accumulates its own micro-batch gradients; a checkpoint written
     by rank 0 alone would hold rank 0's partial sums only, and a run resumed from it
     mid-window would not be exact. At the end of each epoch (and every
     `every_n_batches` batches, to match a `ModelCheckpoint(save_freq=N)`), this calls
-    `GradientAccumulation.share_accumulators()` on every rank. Put it BEFORE the
+    `share_process_state()` of every optimizer of the stack that has one
+    (`GradientAccumulation.share_accumulators`, `CompressedAggregation`'s residuals) on
+    every rank. Put it BEFORE the
     checkpoint callback in `callbacks=[...]`, on every rank (it is a collective).
 
     Args:
@@ -412,12 +415,9 @@ class ShareAccumulatorsCallback(keras.callbacks.Callback):
         self._batches = 0  # across epochs, as ModelCheckpoint(save_freq=N) counts
 
     def _share(self):
-        from dist_minimize.wrappers.accumulation import GradientAccumulation
-
         opt = getattr(self.model, "optimizer", None)
-        accumulation = opt.find(GradientAccumulation) if hasattr(opt, "find") else None
-        if accumulation is not None:
-            accumulation.share_accumulators()
+        for each in opt.stack() if hasattr(opt, "stack") else ():
+            getattr(each, "share_process_state", lambda: None)()  # accumulators, compression residuals
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1

@@ -117,6 +117,8 @@ class GradientAccumulation(OptimizerWrapper):
         for acc, mean in zip(accumulators, means):
             acc.assign(mean)
 
+    share_process_state = share_accumulators  # what `Checkpointer` calls before rank 0 writes
+
     @property
     def micro_step(self):
         """Micro-steps taken so far (a variable, after `build`)."""

@@ -55,14 +55,14 @@ def test_exit_worker_orders_the_exit_when_a_worker_is_late(tmp_path):
 
 
 WRAPPER_FLAGS = ["--epochs", "2", "--moving-average", "0.9", "--weight-decay", "0.0001",
-                 "--dp-noise-multiplier", "1.1", "--dp-l2-norm-clip", "1.0"]
+                 "--dp-noise-multiplier", "1.1", "--dp-l2-norm-clip", "1.0", "--compression", "fp16"]
 
 
 def check_wrapper_output(text: str) -> None:
     from dist_minimize import privacy
 
     assert "wrappers MovingAverage(0.9) > DifferentialPrivacy(l2_norm_clip=1.0, noise_multiplier=1.1) > " \
-           "DecoupledWeightDecay(0.0001)" in text, text[-3000:]
+           "DecoupledWeightDecay(0.0001) > CompressedAggregation('fp16')" in text, text[-3000:]
     accuracy = float(text.split("[train] test accuracy ")[1].split()[0])
     averaged = float(text.split("[train] test accuracy with the moving average ")[1].split()[0])
     assert accuracy > 0.2 and averaged > 0.2, text[-3000:]  # DP-SGD, 2 epochs: far above chance (0.1)
@@ -73,7 +73,8 @@ def check_wrapper_output(text: str) -> None:
 
 @pytest.mark.parametrize("launcher_name", ["mirrored", "horovod-gloo", "multiworker"])
 def test_main_job_with_every_wrapper_flag(tmp_path, launcher_name):
-    """The main job with a moving average, DP-SGD and decoupled weight decay: trains, reports
+    """The main job with a moving average, DP-SGD, decoupled weight decay and fp16
+    compression with error feedback: trains, reports
     the accuracy with the averages and epsilon from dp-accounting for the steps it took."""
     if launcher_name == "horovod-gloo":
         pytest.importorskip("horovod.tensorflow")

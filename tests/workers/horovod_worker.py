@@ -2,7 +2,7 @@
 
 Usage: horovod_worker.py OUT_DIR SCENARIO
   parity   (np=2)  parity cases, allreduce counting, sum, fp16, predivide, sparse,
-                   broadcast, metric averaging
+                   broadcast, metric averaging, CompressedAggregation
   keras_rules (np=2)  every update rule keras.optimizers exports, tape/some and fit/none
   mpi      (np=2, MPI)  Horovod initialised from an mpi4py sub-communicator; Adasum;
                    mpi4py/Horovod library check
@@ -289,6 +289,31 @@ if scenario == "parity":
     results["xla_integrated"] = {"weights": lists(P.weights(model)), "jit_compile": model.jit_compile,
                                  "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
 
+    # CompressedAggregation (fp16, error feedback): rank r's gradient is g_t * (1 + r) in
+    # "different", g_t on both in "same"; then a Checkpointer's save evens the residuals out.
+    rng = np.random.default_rng(7)
+    comp_grads = [rng.normal(size=(32, 1)).astype(np.float32) * np.float32(1 + 1e-3) for _ in range(4)]
+    results["compression"] = {"grads": [g.ravel().tolist() for g in comp_grads]}
+    for label, factor in (("same", 1.0), ("different", 1.0 + rank)):
+        comp_model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+        comp_opt = dm.CompressedAggregation(dm.Optimizer(keras.optimizers.SGD(1.0)), "fp16")
+        kernel = comp_model.trainable_variables[0]
+        comp_opt.build([kernel])
+
+        @tf.function
+        def comp_step(g):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(kernel * g)
+            comp_opt.minimize(loss, [kernel], tape=tape)
+
+        for g in comp_grads:
+            comp_step(tf.constant(g * np.float32(factor)))
+        entry = {"w": kernel.numpy().ravel().tolist(),
+                 "residual": comp_opt.slot("residual", kernel).numpy().ravel().tolist()}
+        if label == "different":
+            dm.Checkpointer(os.path.join(out_dir, "ckpt"), comp_model, comp_opt, every=10 ** 6).save()
+            entry["residual_saved"] = comp_opt.slot("residual", kernel).numpy().ravel().tolist()
+        results["compression"][label] = entry
 elif scenario in ("sharded", "sharded_more"):
     # Buckets of at most 128 bytes: the model's variables (40, 8, 8, 1 floats) then travel
     # in several reduce-scatters and all-gathers per step, as a large model's do.
