@@ -21,7 +21,7 @@ average of the weights (the test accuracy is also reported with the averages),
 noise added once to the global sum; prints epsilon for `--dp-delta` at the end),
 `--weight-decay W` decays every kernel (not the biases) before each update, and
 `--accumulate K` averages K micro-batches per update (`dm.GradientAccumulation`),
-`--compression fp16|bf16` sends 16-bit gradients with error feedback
+`--compression fp16|bf16|powersgd:R` sends 16-bit gradients, or rank-R factors, with error feedback
 (`dm.CompressedAggregation`), and
 `--shard-optimizer-state` keeps on each process (horovodrun, mpirun, multiworker) only its
 share of the optimizer state (docs/sharding.md). Every process prints `[train] optimizer state bytes on this
@@ -74,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="horovod, multiworker: the global batch in micro-batches of B samples, each of the N "
                         "workers accumulating G / (N * B) of them per update: the same training on any number of "
                         "workers (dist_minimize.elastic)")
-    p.add_argument("--compression", choices=["none", "fp16", "bf16"], default="none",
-                   help="aggregate 16-bit gradients with error feedback (dm.CompressedAggregation)")
+    p.add_argument("--compression", default="none", metavar="{none,fp16,bf16,powersgd:R}",
+                   help="aggregate 16-bit gradients, or rank-R factors, with error feedback (dm.CompressedAggregation)")
     p.add_argument("--shard-optimizer-state", action="store_true",
                    help="each process keeps the optimizer state of its share of the weights "
                         "(horovod-gloo, horovod-mpi, multiworker launchers)")
@@ -95,6 +95,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.micro_batch is not None and args.accumulate is not None:
         p.error("--micro-batch sets the accumulation (G / (N * B) micro-batches per process): drop --accumulate. "
                 f"Received: --micro-batch={args.micro_batch} --accumulate={args.accumulate}")
+    if args.compression not in ("none", "fp16", "bf16") and not (
+            args.compression.startswith("powersgd:") and args.compression[9:].isdigit() and int(args.compression[9:]) >= 1):
+        p.error(f"--compression must be none, fp16, bf16 or powersgd:R with R >= 1. Received: --compression={args.compression}")
     if args.compression != "none" and args.shard_optimizer_state:
         p.error("--compression compresses an all-reduce; a sharded step reduce-scatters instead. Received: "
                 f"--compression={args.compression} --shard-optimizer-state")

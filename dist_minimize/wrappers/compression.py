@@ -6,8 +6,9 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import distribute
+from dist_minimize import _compat, distribute
 from dist_minimize.staged import StagedOptimizer
+from dist_minimize.step import stages
 from dist_minimize.wrappers.base import OptimizerWrapper
 
 # The 16-bit formats a gradient can be sent in, by the name `compression=` takes.
@@ -71,10 +72,12 @@ class CompressedAggregation(OptimizerWrapper):
         "of a loss scale that changes between steps. Leave out loss scaling, or the compression.")}
 
     def __init__(self, optimizer: StagedOptimizer, compression: str = "fp16", name: str | None = None):
-        if compression not in CODECS:
-            raise ValueError(f"`compression` must be one of {sorted(CODECS)}. Received: compression={compression!r}")
+        rank = _low_rank(compression)
         super().__init__(optimizer, name=name)
         self.compression = compression
+        self._rank = rank
+        # The low-rank exchange aggregates twice per update (P, then Q), on purpose.
+        self.extra_aggregations = 1 if rank else 0
 
     def check_stack(self) -> None:
         super().check_stack()
@@ -89,12 +92,24 @@ class CompressedAggregation(OptimizerWrapper):
                              "compress. Received: shard_optimizer_state=True")
 
     def build_state(self, var_list):
-        """One replica-local residual per trained variable."""
-        for v in self.trained_variables:
+        """One replica-local residual per trained variable; with a rank, the factors P
+        (rows x rank) and Q (columns x rank) of each matrix it pays to send as two."""
+        self._factors = {}  # (set in `build`: a plain dict, untracked; the variables are tracked)
+        for i, v in enumerate(self.trained_variables):
             self.add_slot(v, "residual", replica_local=True)
+            shape = _matrix(v.shape)
+            if self._rank and shape is not None and self._rank * sum(shape) < shape[0] * shape[1]:
+                factors = [self.add_variable(shape=(n, self._rank), dtype=v.dtype, aggregation="only_first_replica",
+                                             initializer=keras.initializers.RandomNormal(seed=2 * i + j),
+                                             name=f"{stages.slot_prefix(v)}_{part}")
+                           for j, (n, part) in enumerate(zip(shape, ("p", "q")))]
+                self._factors[_compat.variable_key(self, v)] = tuple(factors)
 
     def aggregate_gradients(self, grads_and_vars):
-        """Sends `16-bit(g + r)` to the wrapped aggregation; keeps the rest as `r`."""
+        """Sends `16-bit(g + r)` (or its low-rank factors) to the wrapped aggregation;
+        keeps the rest as `r`."""
+        if self._rank:
+            return self._aggregate_low_rank(list(grads_and_vars))
         codec = CODECS[self.compression]
         if codec == tf.bfloat16 and distribute.horovod() is not None and distribute.strategy_replicas() == 1:
             raise ValueError("compression='bf16' under Horovod: Horovod 0.28.1's allreduce has no bfloat16 "
@@ -122,6 +137,42 @@ class CompressedAggregation(OptimizerWrapper):
                 residual.assign(tf.where(finite, tf.cast(new, residual.dtype), residual))
         return pairs
 
+    def _aggregate_low_rank(self, pairs):
+        # Per matrix M = g + r (rows x columns): P = M Q aggregated, orthonormalised (the
+        # same on every replica: made from aggregated values), then Q = M^T P aggregated;
+        # applied P Q^T, which is the aggregate of each replica's P P^T M, so the residual
+        # M - P P^T M keeps exactly what was not sent. Q is kept for the next update.
+        low = {}
+        for i, (g, v) in enumerate(pairs):
+            factors = self._factors.get(_compat.variable_key(self, v)) if _compressible(g) else None
+            if factors is not None:
+                residual = self.slot("residual", v)
+                low[i] = (tf.reshape(g + tf.cast(residual, g.dtype), factors[0].shape[:1] + factors[1].shape[:1]),
+                          residual, *factors)
+        first = super().aggregate_gradients(
+            [pair for i, pair in enumerate(pairs) if i not in low]
+            + [(tf.matmul(m, tf.cast(q, m.dtype)), p) for m, _, p, q in low.values()])
+        plain, ps = first[:len(pairs) - len(low)], first[len(pairs) - len(low):]
+        bases = [tf.linalg.qr(p_sum).q for p_sum, _ in ps]
+        second = super().aggregate_gradients(
+            [(tf.matmul(m, basis, transpose_a=True), q) for (m, _, _, q), basis in zip(low.values(), bases)])
+        applied = [tf.matmul(basis, q_sum, transpose_b=True) for basis, (q_sum, _) in zip(bases, second)]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in applied]) if low else None
+        out, plain = [], iter(plain)
+        for i, (g, v) in enumerate(pairs):
+            if i not in low:
+                out.append(next(plain))
+                continue
+            k = list(low).index(i)
+            m, residual, p, q = low[i]
+            basis, q_sum = bases[k], second[k][0]
+            kept = m - tf.matmul(basis, tf.matmul(basis, m, transpose_a=True))
+            residual.assign(tf.where(finite, tf.reshape(kept, residual.shape), residual))
+            distribute.assign_replicated(q, tf.where(finite, q_sum, q))  # warm start of the next update
+            distribute.assign_replicated(p, tf.where(finite, basis, p))
+            out.append((tf.reshape(applied[k], v.shape), v))
+        return out
+
     def share_process_state(self) -> None:
         """Under Horovod: every process's residuals become their mean over the processes.
 
@@ -143,6 +194,28 @@ class CompressedAggregation(OptimizerWrapper):
         config = super().get_config()
         config["compression"] = self.compression
         return config
+
+
+def _low_rank(compression) -> int:
+    """The rank of `"powersgd:R"` (0 for a 16-bit codec); ValueError for anything else."""
+    if isinstance(compression, str) and compression in CODECS:
+        return 0
+    head, _, rank = compression.partition(":") if isinstance(compression, str) else ("", "", "")
+    if head == "powersgd" and rank.isdigit() and int(rank) >= 1:
+        return int(rank)
+    raise ValueError(f"`compression` must be one of {sorted(CODECS)} or 'powersgd:R' with a rank R >= 1. "
+                     f"Received: compression={compression!r}")
+
+
+def _matrix(shape) -> tuple | None:
+    """A variable's shape as (rows, columns): its last dimension is the columns; None for
+    a scalar or a vector."""
+    if len(shape) < 2 or any(d is None for d in shape):
+        return None
+    rows = 1
+    for d in shape[:-1]:
+        rows *= int(d)
+    return rows, int(shape[-1])
 
 
 def _compressible(g) -> bool:

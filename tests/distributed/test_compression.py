@@ -46,3 +46,18 @@ def test_a_checkpoint_evens_the_residuals_out_without_changing_their_average(tmp
     assert r0["different"]["residual"] != r1["different"]["residual"]
     assert r0["different"]["residual_saved"] == r1["different"]["residual_saved"]
     np.testing.assert_allclose(np.array(r0["different"]["residual_saved"]), before, rtol=0, atol=1e-7)
+
+
+def test_low_rank_keeps_the_identity_exactly_under_horovods_average(tmp_path_factory):
+    """powersgd:1 on a 32 x 4 kernel, rank r's gradient (1 + r)(g_t [1 2 3 4] + roll(g_t)
+    [1 -1 1 -1]) (rank 2, so rank 1 drops part of every step's): the applied
+    average plus the mean residual is the mean gradient (float32 rounding), the two
+    aggregations of each update (P, then Q) agreeing on every rank."""
+    r0, r1 = ranks(tmp_path_factory)
+    grads = np.array(r0["grads"], np.float32)
+    assert r0["powersgd"]["w"] == r1["powersgd"]["w"]
+    w = np.array(r0["powersgd"]["w"]).reshape(32, 4)
+    mean_residual = (np.array(r0["powersgd"]["residual"]) + np.array(r1["powersgd"]["residual"])).reshape(32, 4) / 2
+    expected = 1.5 * sum(np.outer(g, np.arange(1, 5)) + np.outer(np.roll(g, 1), (-1.0) ** np.arange(4)) for g in grads)
+    assert np.abs(mean_residual).max() > 0.1  # the rank dropped part of each step's
+    np.testing.assert_allclose(-w + mean_residual, expected, rtol=0, atol=5e-5)

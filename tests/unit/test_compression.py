@@ -164,3 +164,100 @@ def test_bf16_under_horovod_is_refused_naming_fp16(monkeypatch):
     opt = sgd_stack("bf16")
     with pytest.raises(ValueError, match=r"no bfloat16 kernel.*compression='fp16'"):
         run(opt, [np.ones(2, np.float32)])
+
+
+# -- low rank ("powersgd:R") ------------------------------------------------------------
+
+
+def run_per_replica(opt, variables, grads_per_replica, strategy):
+    """Steps of `loss = sum(w * g)` where replica k's gradient is grads_per_replica[t][k]."""
+    n = strategy.num_replicas_in_sync
+
+    @tf.function
+    def step(values):
+        def replica(g):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * tf.reshape(g[..., :int(np.prod(v.shape))], v.shape))
+                                 for v in variables])
+            opt.minimize(loss, variables, tape=tape)
+        strategy.run(replica, args=(values,))
+
+    for per_replica in grads_per_replica:
+        step(strategy.experimental_distribute_values_from_function(
+            lambda ctx, p=per_replica: tf.constant(p[ctx.replica_id_in_sync_group % n])))
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_low_rank_applied_plus_residual_is_the_exact_gradient(replicas):
+    """Each replica's own gradient (different on each): the identity is exact, to float32
+    rounding, whatever the rank drops, since P P^T M is linear in M."""
+    strategy = mirrored_strategy() if replicas == 2 else tf.distribute.get_strategy()
+    rng = np.random.default_rng(5)
+    steps = [[rng.normal(size=(16 * 12,)).astype(np.float32) for _ in range(replicas)] for _ in range(5)]
+    with strategy.scope():
+        w = tf.Variable(np.zeros((16, 12), np.float32))
+        opt = sgd_stack("powersgd:2")
+        opt.build([w])
+    run_per_replica(opt, [w], steps, strategy)
+    exact = np.sum([np.sum(s, axis=0) for s in steps], axis=0).reshape(16, 12)
+    r = residual(opt, w)
+    assert np.abs(r).max() > 1.0  # rank 2 of a 16 x 12 random matrix leaves most of it
+    np.testing.assert_allclose(-w.numpy() + r, exact, rtol=0, atol=2e-5)
+
+
+def test_a_gradient_of_the_rank_is_sent_whole_and_q_is_kept():
+    u, v = np.arange(1, 9, dtype=np.float32), np.linspace(-1, 1, 6).astype(np.float32)
+    g = np.outer(u, v)  # rank 1
+    w = tf.Variable(np.zeros((8, 6), np.float32))
+    opt = sgd_stack("powersgd:1")
+    opt.build([w])
+    run(opt, [g], w=w)
+    np.testing.assert_allclose(-w.numpy(), g, rtol=0, atol=1e-5)
+    assert np.abs(residual(opt, w)).max() <= 1e-5
+    p, q = [x for x in opt.variables if x.path.endswith(("_p", "_q"))]
+    np.testing.assert_allclose(p.numpy() @ q.numpy().T, g, rtol=0, atol=1e-5)  # Q kept: the next warm start
+
+
+def test_low_rank_sends_vectors_and_small_matrices_as_they_are():
+    w = tf.Variable(np.zeros((3, 2), np.float32))  # rank 2 would send 10 values for 6
+    b = tf.Variable(np.zeros((5,), np.float32))
+    opt = sgd_stack("powersgd:2")
+    opt.build([w, b])
+    assert not [x for x in opt.variables if x.path.endswith(("_p", "_q"))]
+    rng = np.random.default_rng(6)
+    gw, gb = rng.normal(size=(3, 2)).astype(np.float32), rng.normal(size=(5,)).astype(np.float32)
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * gw) + tf.reduce_sum(b * gb)
+        opt.minimize(loss, [w, b], tape=tape)
+
+    step()
+    np.testing.assert_array_equal(-w.numpy(), gw)
+    np.testing.assert_array_equal(-b.numpy(), gb)
+
+
+def test_low_rank_skips_a_non_finite_step_and_resumes_exactly(tmp_path):
+    rng = np.random.default_rng(7)
+    grads = [rng.normal(size=(10, 8)).astype(np.float32) for _ in range(4)]
+    bad = grads[1].copy()
+    bad[2, 3] = np.nan
+    whole = sgd_stack("powersgd:2")
+    w_whole = run(whole, [grads[0], bad, *grads[1:]])
+    assert int(whole.skipped_steps.numpy()) == 1
+    first = sgd_stack("powersgd:2")
+    w = run(first, [grads[0], bad, grads[1]])
+    path = tf.train.Checkpoint(w=w, opt=first).write(str(tmp_path / "ckpt"))
+    again = sgd_stack("powersgd:2")
+    w2 = tf.Variable(np.zeros((10, 8), np.float32))
+    again.build([w2])
+    tf.train.Checkpoint(w=w2, opt=again).read(path).assert_consumed()
+    run(again, grads[2:], w=w2)
+    np.testing.assert_array_equal(w2.numpy(), w_whole.numpy())
+
+
+@pytest.mark.parametrize("bad", ["powersgd:0", "powersgd:x", "powersgd", "int8", 16])
+def test_an_unknown_compression_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match=r"powersgd:R.*Received: compression="):
+        sgd_stack(bad)

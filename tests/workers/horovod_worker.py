@@ -294,9 +294,11 @@ if scenario == "parity":
     rng = np.random.default_rng(7)
     comp_grads = [rng.normal(size=(32, 1)).astype(np.float32) * np.float32(1 + 1e-3) for _ in range(4)]
     results["compression"] = {"grads": [g.ravel().tolist() for g in comp_grads]}
-    for label, factor in (("same", 1.0), ("different", 1.0 + rank)):
-        comp_model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
-        comp_opt = dm.CompressedAggregation(dm.Optimizer(keras.optimizers.SGD(1.0)), "fp16")
+    for label, factor, codec, units in (("same", 1.0, "fp16", 1), ("different", 1.0 + rank, "fp16", 1),
+                                        ("powersgd", 1.0 + rank, "powersgd:1", 4)):
+        comp_model = keras.Sequential([keras.Input((32,)),
+                                       keras.layers.Dense(units, use_bias=False, kernel_initializer="zeros")])
+        comp_opt = dm.CompressedAggregation(dm.Optimizer(keras.optimizers.SGD(1.0)), codec)
         kernel = comp_model.trainable_variables[0]
         comp_opt.build([kernel])
 
@@ -306,8 +308,9 @@ if scenario == "parity":
                 loss = tf.reduce_sum(kernel * g)
             comp_opt.minimize(loss, [kernel], tape=tape)
 
-        for g in comp_grads:
-            comp_step(tf.constant(g * np.float32(factor)))
+        for g in comp_grads:  # (32, units), rank 2 where units = 4: g [1 2 3 4] + roll(g) [1 -1 1 -1]
+            full = g * np.arange(1, units + 1) + (np.roll(g, 1) * (-1.0) ** np.arange(units) if units > 1 else 0)
+            comp_step(tf.constant((full * factor).astype(np.float32)))
         entry = {"w": kernel.numpy().ravel().tolist(),
                  "residual": comp_opt.slot("residual", kernel).numpy().ravel().tolist()}
         if label == "different":
