@@ -46,7 +46,7 @@ MULTIWORKER_RULE_CASES = {case: case for case in KERAS_RULE_CASES if not case.en
 MULTIWORKER_RULE_CASES.update({case: case for case in P.LAZY_CASES})
 MULTIWORKER_JOBS = {
     "parity": MULTIWORKER_PARITY + ["lso_inf/0", "lso_inf/1", "accumulate/2", "accumulate/4", "sgd/fit_anchor"]
-    + P.SAM_CASES,
+    + P.SAM_CASES + ["compress/fp16", "compress/powersgd:2"],
     "keras_rules": list(MULTIWORKER_RULE_CASES.values()),
     "sharded": [f"shard/{case}" for case in P.SHARD_CASES + P.SHARD_MORE_CASES + P.SHARD_MW_CASES]
     + ["shard_lso_inf/1"],

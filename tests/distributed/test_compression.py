@@ -1,6 +1,8 @@
-"""CompressedAggregation under horovodrun -np 2 (Gloo): the error-feedback identity with
-Horovod's average, and rank 0's checkpoint made to hold what every rank needs. The job is
-the shared "parity" one of jobs.py (tests/workers/horovod_worker.py)."""
+"""CompressedAggregation under horovodrun -np 2 (Gloo) and MultiWorkerMirroredStrategy (2
+workers): the error-feedback identity with each backend's aggregation (Horovod's average,
+the strategy's sum), and rank 0's checkpoint made to hold what every rank needs. The jobs
+are the shared "parity" ones of jobs.py (tests/workers/horovod_worker.py,
+tests/workers/multiworker_worker.py)."""
 
 import numpy as np
 import pytest
@@ -8,14 +10,28 @@ import pytest
 import jobs
 from conftest import requires_horovod
 
-pytestmark = [pytest.mark.distributed, requires_horovod]
+pytestmark = [pytest.mark.distributed]
 U16 = 2.0 ** -11  # float16's unit roundoff
+
+
+@pytest.mark.parametrize("codec", ["fp16", "powersgd:2"])
+def test_multiworker_applied_plus_residual_is_the_exact_sum(codec, tmp_path_factory):
+    """The residuals read back as their sum over the workers (a SyncOnRead SUM), which is
+    what the strategy's SUM aggregation sends of them: exact to float32 rounding."""
+    workers = jobs.multiworker("parity", tmp_path_factory)
+    case = f"compress/{codec}"
+    assert workers[0][case]["w"] == workers[1][case]["w"]
+    got = workers[0][case]
+    residual = np.array(got["residual"])
+    assert np.abs(residual).max() > 0
+    np.testing.assert_allclose(-np.array(got["w"]) + residual, np.array(got["exact"]), rtol=0, atol=5e-5)
 
 
 def ranks(tmp_path_factory):
     return [r["compression"] for r in jobs.horovod("horovod-gloo", 2, "parity", tmp_path_factory)]
 
 
+@requires_horovod
 def test_the_same_gradient_on_both_ranks_is_applied_exactly_over_time(tmp_path_factory):
     """Both ranks send the same 16-bit value, so Horovod's average of them is exact: what
     is applied plus the residual is the sum of the gradients, to float32 rounding."""
@@ -26,6 +42,7 @@ def test_the_same_gradient_on_both_ranks_is_applied_exactly_over_time(tmp_path_f
         np.testing.assert_allclose(-w + residual, total, rtol=0, atol=1e-5)
 
 
+@requires_horovod
 def test_different_gradients_keep_the_identity_up_to_the_rounding_of_the_16_bit_sum(tmp_path_factory):
     """Rank r sends g * (1 + r): the applied average plus the mean residual is the mean
     gradient, up to float16's rounding of each step's sum (no rank sees that rounding)."""
@@ -40,6 +57,7 @@ def test_different_gradients_keep_the_identity_up_to_the_rounding_of_the_16_bit_
     assert np.all(np.abs(-w + mean_residual - expected) <= bound)
 
 
+@requires_horovod
 def test_a_checkpoint_evens_the_residuals_out_without_changing_their_average(tmp_path_factory):
     r0, r1 = ranks(tmp_path_factory)
     before = (np.array(r0["different"]["residual"]) + np.array(r1["different"]["residual"])) / 2
@@ -48,6 +66,7 @@ def test_a_checkpoint_evens_the_residuals_out_without_changing_their_average(tmp
     np.testing.assert_allclose(np.array(r0["different"]["residual_saved"]), before, rtol=0, atol=1e-7)
 
 
+@requires_horovod
 def test_low_rank_keeps_the_identity_exactly_under_horovods_average(tmp_path_factory):
     """powersgd:1 on a 32 x 4 kernel, rank r's gradient (1 + r)(g_t [1 2 3 4] + roll(g_t)
     [1 -1 1 -1]) (rank 2, so rank 1 drops part of every step's): the applied

@@ -2,7 +2,7 @@
 
 Usage: multiworker_worker.py OUT_JSON CASE [CASE ...], with TF_CONFIG set by the caller.
 A CASE is "OPT/MODE[/CLIP]" (e.g. "adam/callable", "sgd-0.01/tape/some"; CLIP is a
-clip mode of parity_lib.CLIPS, default "always"), or "sam/NAME/MODE" (parity_lib.SAM_CASES),
+clip mode of parity_lib.CLIPS, default "always"), or "sam/NAME/MODE" (parity_lib.SAM_CASES), "compress/CODEC" (dm.CompressedAggregation),
 or "shard/OPT/MODE/CLIP[/WRAP]" and "shard_lso_inf/1" (shard_optimizer_state=True against
 the same run unsharded: tests/distributed/test_sharded_state.py). Every worker holds its own
 shard of each global batch; each trains the same model and writes the final weights.
@@ -51,6 +51,36 @@ for case in cases:
         results[case] = {"weights": [w.tolist() for w in got], "iterations": int(opt.iterations.numpy()),
                          "skipped": int(opt.skipped_steps.numpy()),
                          "loss_scale": float(opt.loss_scale.numpy()), "clipped_steps": P.clipped_steps(opt)}
+        continue
+    if opt_name == "compress":
+        # CompressedAggregation(CODEC): worker k's gradient is its own (both the same for
+        # fp16, whose 16-bit sum of two equal values is exact); weights, the residuals' sum
+        # and the exact sum of the gradients.
+        import numpy as np
+
+        rng = np.random.default_rng(11)
+        grads = [[rng.normal(size=(16, 12)).astype(np.float32) * np.float32(1 + 1e-3) for _ in range(2)]
+                 for _ in range(4)]
+        if mode == "fp16":
+            grads = [[g[0], g[0]] for g in grads]
+        with strategy.scope():
+            w = tf.Variable(np.zeros((16, 12), np.float32))
+            opt = dm.CompressedAggregation(dm.Optimizer(keras.optimizers.SGD(1.0)), mode)
+            opt.build([w])
+
+        @tf.function
+        def compressed_step(values):
+            def replica(g):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(w * g)
+                opt.minimize(loss, [w], tape=tape)
+            strategy.run(replica, args=(values,))
+
+        for g in grads:
+            compressed_step(strategy.experimental_distribute_values_from_function(
+                lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group])))
+        results[case] = {"w": w.numpy().tolist(), "residual": opt.slot("residual", w).numpy().tolist(),
+                         "exact": np.sum([g[0] + g[1] for g in grads], axis=0).tolist()}
         continue
     if opt_name == "accumulate":
         k = int(mode)
