@@ -60,7 +60,7 @@ class CompressedAggregation(OptimizerWrapper):
 
     Args:
       optimizer: a dist_minimize optimizer.
-      compression: `"fp16"` or `"bf16"`.
+      compression: `"fp16"`, `"bf16"` or `"powersgd:R"` (R >= 1, the rank).
 
     Raises:
       ValueError: an unknown `compression`, or a stack it cannot sit on (see above).
@@ -132,7 +132,7 @@ class CompressedAggregation(OptimizerWrapper):
             g, v = pairs[i]
             pairs[i] = (tf.cast(g, v.dtype), v)
         if kept:  # a non-finite aggregate: the step is skipped, the residuals stay
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(pairs[i][0])) for i in kept])
+            finite = _all_finite(pairs)
             for residual, new in kept.values():
                 residual.assign(tf.where(finite, tf.cast(new, residual.dtype), residual))
         return pairs
@@ -149,6 +149,8 @@ class CompressedAggregation(OptimizerWrapper):
                 residual = self.slot("residual", v)
                 low[i] = (tf.reshape(g + tf.cast(residual, g.dtype), factors[0].shape[:1] + factors[1].shape[:1]),
                           residual, *factors)
+        if not low:
+            return super().aggregate_gradients(pairs)
         first = super().aggregate_gradients(
             [pair for i, pair in enumerate(pairs) if i not in low]
             + [(tf.matmul(m, tf.cast(q, m.dtype)), p) for m, _, p, q in low.values()])
@@ -156,21 +158,15 @@ class CompressedAggregation(OptimizerWrapper):
         bases = [tf.linalg.qr(p_sum).q for p_sum, _ in ps]
         second = super().aggregate_gradients(
             [(tf.matmul(m, basis, transpose_a=True), q) for (m, _, _, q), basis in zip(low.values(), bases)])
-        applied = [tf.matmul(basis, q_sum, transpose_b=True) for basis, (q_sum, _) in zip(bases, second)]
-        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in applied]) if low else None
-        out, plain = [], iter(plain)
-        for i, (g, v) in enumerate(pairs):
-            if i not in low:
-                out.append(next(plain))
-                continue
-            k = list(low).index(i)
-            m, residual, p, q = low[i]
-            basis, q_sum = bases[k], second[k][0]
+        applied = iter(tf.matmul(basis, q_sum, transpose_b=True) for basis, (q_sum, _) in zip(bases, second))
+        plain = iter(plain)
+        out = [(tf.reshape(next(applied), v.shape), v) if i in low else next(plain) for i, (_, v) in enumerate(pairs)]
+        finite = _all_finite(out)
+        for (m, residual, p, q), basis, (q_sum, _) in zip(low.values(), bases, second):
             kept = m - tf.matmul(basis, tf.matmul(basis, m, transpose_a=True))
             residual.assign(tf.where(finite, tf.reshape(kept, residual.shape), residual))
             distribute.assign_replicated(q, tf.where(finite, q_sum, q))  # warm start of the next update
             distribute.assign_replicated(p, tf.where(finite, basis, p))
-            out.append((tf.reshape(applied[k], v.shape), v))
         return out
 
     def share_process_state(self) -> None:
@@ -216,6 +212,13 @@ def _matrix(shape) -> tuple | None:
     for d in shape[:-1]:
         rows *= int(d)
     return rows, int(shape[-1])
+
+
+def _all_finite(pairs) -> tf.Tensor:
+    """Whether every aggregated gradient is finite (identical on every replica), so that a
+    step the guard skips leaves the residuals as they were."""
+    values = [g.values if isinstance(g, tf.IndexedSlices) else g for g, _ in pairs if g is not None]
+    return tf.reduce_all([tf.reduce_all(tf.math.is_finite(tf.cast(g, tf.float32))) for g in values])
 
 
 def _compressible(g) -> bool:

@@ -261,3 +261,28 @@ def test_low_rank_skips_a_non_finite_step_and_resumes_exactly(tmp_path):
 def test_an_unknown_compression_is_refused_naming_it(bad):
     with pytest.raises(ValueError, match=r"powersgd:R.*Received: compression="):
         sgd_stack(bad)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "powersgd:2"])
+def test_a_non_finite_gradient_sent_whole_also_leaves_the_residuals(compression):
+    """A NaN in a vector's gradient (sent as it is): the step is skipped, so the matrix's
+    residual (and Q) must not move either."""
+    w = tf.Variable(np.zeros((10, 8), np.float32))
+    b = tf.Variable(np.zeros((8,), np.float32))
+    opt = sgd_stack(compression)
+    opt.build([w, b])
+    rng = np.random.default_rng(9)
+    gw = tf.constant(rng.normal(size=(10, 8)).astype(np.float32) * np.float32(1 + 1e-3))
+
+    @tf.function
+    def step(gb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * gw) + tf.reduce_sum(b * gb)
+        opt.minimize(loss, [w, b], tape=tape)
+
+    step(tf.ones(8))
+    state = [v.numpy() for v in opt.variables]
+    step(tf.constant([np.nan] + [1.0] * 7))
+    assert int(opt.skipped_steps.numpy()) == 1
+    for before, after in zip(state, [v.numpy() for v in opt.variables]):
+        np.testing.assert_array_equal(after, before)
