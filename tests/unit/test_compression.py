@@ -286,3 +286,21 @@ def test_a_non_finite_gradient_sent_whole_also_leaves_the_residuals(compression)
     assert int(opt.skipped_steps.numpy()) == 1
     for before, after in zip(state, [v.numpy() for v in opt.variables]):
         np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_with_accumulation_the_mean_of_each_window_is_compressed_once(outside):
+    """GradientAccumulation(CompressedAggregation(...)) and the other order: one compression
+    per update, of the window's mean, so after every update the weights plus the
+    residual are the sum of the means (SGD, learning rate 1, from zero)."""
+    rng = np.random.default_rng(10)
+    grads = [rng.normal(size=(6, 5)).astype(np.float32) * np.float32(1 + 1e-3) for _ in range(6)]
+    core = dm.Optimizer(keras.optimizers.SGD(1.0))
+    opt = (dm.CompressedAggregation(dm.GradientAccumulation(core, 3), "fp16") if outside
+           else dm.GradientAccumulation(dm.CompressedAggregation(core, "fp16"), 3))
+    w = run(opt, grads)
+    compression = opt.find(dm.CompressedAggregation)
+    r = compression.slot("residual", w).numpy()
+    assert int(opt.iterations.numpy()) == 2 and np.abs(r).max() > 0
+    means = (np.sum(grads[:3], axis=0) / 3, np.sum(grads[3:], axis=0) / 3)
+    np.testing.assert_allclose(-w.numpy() + r, means[0] + means[1], rtol=0, atol=1e-5)
