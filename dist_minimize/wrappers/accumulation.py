@@ -117,7 +117,9 @@ class GradientAccumulation(OptimizerWrapper):
         for acc, mean in zip(accumulators, means):
             acc.assign(mean)
 
-    share_process_state = share_accumulators  # what `Checkpointer` calls before rank 0 writes
+    def share_process_state(self) -> None:
+        """`share_accumulators`: what `Checkpointer` calls before rank 0 writes."""
+        self.share_accumulators()
 
     @property
     def micro_step(self):

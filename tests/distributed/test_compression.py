@@ -20,11 +20,11 @@ def test_multiworker_applied_plus_residual_is_the_exact_sum(codec, tmp_path_fact
     what the strategy's SUM aggregation sends of them: exact to float32 rounding."""
     workers = jobs.multiworker("parity", tmp_path_factory)
     case = f"compress/{codec}"
-    assert workers[0][case]["w"] == workers[1][case]["w"]
+    assert workers[0][case]["weights"] == workers[1][case]["weights"]
     got = workers[0][case]
     residual = np.array(got["residual"])
     assert np.abs(residual).max() > 0
-    np.testing.assert_allclose(-np.array(got["w"]) + residual, np.array(got["exact"]), rtol=0, atol=5e-5)
+    np.testing.assert_allclose(-np.array(got["weights"][0]) + residual, np.array(got["exact"]), rtol=0, atol=5e-5)
 
 
 def ranks(tmp_path_factory):

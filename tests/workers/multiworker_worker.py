@@ -79,7 +79,7 @@ for case in cases:
         for g in grads:
             compressed_step(strategy.experimental_distribute_values_from_function(
                 lambda ctx, g=g: tf.constant(g[ctx.replica_id_in_sync_group])))
-        results[case] = {"w": w.numpy().tolist(), "residual": opt.slot("residual", w).numpy().tolist(),
+        results[case] = {"weights": [w.numpy().tolist()], "residual": opt.slot("residual", w).numpy().tolist(),
                          "exact": np.sum([g[0] + g[1] for g in grads], axis=0).tolist()}
         continue
     if opt_name == "accumulate":
