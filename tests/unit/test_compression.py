@@ -304,3 +304,24 @@ def test_with_accumulation_the_mean_of_each_window_is_compressed_once(outside):
     assert int(opt.iterations.numpy()) == 2 and np.abs(r).max() > 0
     means = (np.sum(grads[:3], axis=0) / 3, np.sum(grads[3:], axis=0) / 3)
     np.testing.assert_allclose(-w.numpy() + r, means[0] + means[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd:2"])
+def test_a_step_compiled_with_xla_keeps_the_identity(compression):
+    w = tf.Variable(np.zeros((10, 8), np.float32))
+    opt = sgd_stack(compression)
+    opt.build([w])
+    rng = np.random.default_rng(12)
+    grads = [rng.normal(size=(10, 8)).astype(np.float32) * np.float32(1 + 1e-3) for _ in range(3)]
+
+    @tf.function(jit_compile=True)
+    def step(g):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * g)
+        opt.minimize(loss, [w], tape=tape)
+
+    for g in grads:
+        step(tf.constant(g))
+    r = residual(opt, w)
+    assert np.abs(r).max() > 0
+    np.testing.assert_allclose(-w.numpy() + r, np.sum(grads, axis=0), rtol=0, atol=1e-5)
