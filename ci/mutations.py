@@ -172,14 +172,12 @@ MUTATIONS = [
              [f"{BACKEND_OPTIONS}::test_fp16_compression_within_its_bound_and_not_skipped"]),
     Mutation("clip-before-aggregation", "transform_gradients (the clipper) runs before aggregation",
              "dist_minimize/staged.py",
-             ('                    "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)\n'
-              '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n',
-              '            if aggregate:\n'
-              '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'),
-             ('                    "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)\n',
-              '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
-              '            if aggregate:\n'
-              '                aggregated = top.aggregate_gradients(list(grads_and_vars))\n'),
+             ("            if aggregate:  # a sharded step's aggregation returns this process's share of the pairs\n",
+              '                grads_and_vars = sharded_state.take_share(top, grads_and_vars)\n'
+              '            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'),
+             ('            grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)\n'
+              "            if aggregate:  # a sharded step's aggregation returns this process's share of the pairs\n",
+              '                grads_and_vars = sharded_state.take_share(top, grads_and_vars)\n'),
              tests(MIRRORED, MULTIWORKER, HOROVOD_PARITY)),
     Mutation("dp-noise-before-aggregation", "DifferentialPrivacy adds its noise on each replica before aggregation",
              "dist_minimize/wrappers/dp_sgd.py",
@@ -392,6 +390,12 @@ MUTATIONS = [
              "dist_minimize/wrappers/compression.py",
              "tf.where(finite, q_sum, q)", "q_sum",
              ["tests/unit/test_compression.py::test_low_rank_skips_a_non_finite_step_and_resumes_exactly"]),
+    Mutation("stage2-aggregated-twice", "with sharded accumulators the window's accumulated share is "
+             "reduce-scattered again at the update (aggregated twice)",
+             "dist_minimize/wrappers/accumulation.py",
+             "aggregate=aggregate and not sharded)", "aggregate=aggregate)",
+             ["tests/distributed/test_sharded_state.py::"
+              "test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some/accumulate_sharded]"]),
     Mutation("saved-state-misordered", "an optimizer's saved variables are restored in another order",
              "dist_minimize/_keras_surface.py",
              "            variable.assign(store[str(i)])\n", "            variable.assign(store[str(len(own) - 1 - i)])\n",
@@ -627,7 +631,7 @@ MUTATIONS = [
     Mutation("shard-accumulators-of-the-share", "GradientAccumulation builds accumulators for the process's "
              "share only (the gradients of the others' variables, summed before the reduce-scatter, are lost)",
              "dist_minimize/wrappers/accumulation.py",
-             "        for v in self.trained_variables:\n",
+             "        for v in var_list if self.shard_accumulators else self.trained_variables:\n",
              "        for v in var_list:\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some/accumulate]"]),
     Mutation("shard-ckpt-own-file-only", "a restore reads one file of a sharded checkpoint (its other "

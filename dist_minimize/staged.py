@@ -25,7 +25,7 @@ import keras
 import tensorflow as tf
 
 from dist_minimize import _compat, _per_device, distribute
-from dist_minimize.sharding import shards
+from dist_minimize.sharding import sharded_state, shards
 from dist_minimize.step import stages
 from dist_minimize.step.finite import all_finite
 from dist_minimize._keras_surface import KerasSurface
@@ -239,16 +239,15 @@ class StagedOptimizer(KerasSurface, _compat.UntrackedBaseState,
         (`_per_device.possible`) its step counter and learning rate are read before the
         branch, and under a merge-call strategy where it does not, the branch is
         `run_if`'s one cond taken in the cross-replica context.
-        Wrappers pass the call inward, so a wrapper that changes WHEN the update
-        happens (gradient accumulation) overrides this and
-        calls `super().run_update(...)` under `dist_minimize.distribute.run_if`.
+        Wrappers pass the call inward, so a wrapper that changes WHEN the update happens
+        (accumulation) overrides this, calling `super().run_update(...)` under `run_if`.
 
         Args:
           grads_and_vars: this micro-step's per-replica (gradient, variable) pairs.
           top: the outermost optimizer (the one `apply_gradients` was called on): its
             stages are the ones that run.
           aggregate: False when the caller aggregated already (`apply_gradients(...,
-            aggregate=False)`).
+            aggregate=False)`; with sharded state each process then takes its share).
         """
         with shards.step() as sharded:
             self._update(grads_and_vars, top=top, aggregate=aggregate)
@@ -263,11 +262,12 @@ class StagedOptimizer(KerasSurface, _compat.UntrackedBaseState,
                 "compile such a step (stock Keras fails at run time: 'Trying to access resource ... "
                 "located in device ...'); Keras's own default under a strategy is jit_compile=False")
         with distribute.deferred_updates() as pending, exactly_once.step(top._aggregations_allowed()):
-            if aggregate:
+            if aggregate:  # a sharded step's aggregation returns this process's share of the pairs
                 aggregated = top.aggregate_gradients(list(grads_and_vars))
-                # A sharded step's aggregation returns this process's share of the pairs.
                 grads_and_vars = stages.check_stage_output(
                     "aggregate_gradients", CONTEXT.share(grads_and_vars), aggregated)
+            else:  # aggregated already: a sharded stack's process takes its share
+                grads_and_vars = sharded_state.take_share(top, grads_and_vars)
             grads_and_vars = top._run_stage("transform_gradients", top.transform_gradients, grads_and_vars)
             condition = top.update_condition(grads_and_vars)
             scaled = distribute.known_scaled([g for g, _ in grads_and_vars])  # (noted within this step only)

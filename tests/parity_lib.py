@@ -475,7 +475,7 @@ SHARD_FEW_CASES = ["sgd/callable/some", "adam/callable/some"]
 # noise by position, the full stack).
 SHARD_MORE_CASES = ["adam/tape/never", "adam/callable/some/stack", "adam/callable/some/sam",
                     "adam/callable/some/average", "sgd/callable/some/swa", "adam/callable/some/full",
-                    "sgd/fit_integrated/some/dp_noise"]
+                    "sgd/fit_integrated/some/dp_noise", "adam/callable/some/accumulate_sharded"]
 # Under MultiWorkerMirroredStrategy only (the test-time budget; no collective of their
 # own): Lookahead, accumulation, and rules that need each tensor whole (a trust ratio per
 # layer, factored moments, Newton-Schulz on a matrix, per-coordinate accumulators).
@@ -490,10 +490,21 @@ SHARD_WRAPS = {
     "swa": lambda dm, opt: dm.SWA(opt, start_averaging=1, average_period=1),
     "lookahead": lambda dm, opt: dm.Lookahead(opt, sync_period=2, slow_step_size=0.5),
     "accumulate": lambda dm, opt: dm.GradientAccumulation(opt, steps=2),
+    # ZeRO stage 2 (sharded run) against plain accumulation (unsharded run)
+    "accumulate_sharded": lambda dm, opt: dm.GradientAccumulation(opt, steps=2,
+                                                                  shard_accumulators=opt.shard_optimizer_state),
     "full": lambda dm, opt: dm.LossScaleOptimizer(dm.MovingAverage(dm.Lookahead(dm.GradientAccumulation(
         dm.DecoupledWeightDecay(opt, weight_decay=0.1), steps=2), sync_period=2), average_decay=0.5),
         initial_scale=64.0, growth_interval=2),
 }
+
+
+def accumulated_elements(dm, opt) -> int:
+    """Elements of the stack's gradient accumulators on this process (0 without any)."""
+    accumulation = opt.find(dm.GradientAccumulation)
+    if accumulation is None:
+        return 0
+    return int(sum(np.prod(v.shape) for v in accumulation.variables if v.path.endswith("_accumulated")))
 
 
 def slots_by_variable(opt, model) -> dict:

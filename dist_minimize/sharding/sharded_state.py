@@ -183,6 +183,20 @@ class Sharding:
         scaled = iter(scale_local([p for p, is_local in zip(grads_and_vars, local) if is_local]))
         out = [next(scaled) if is_local else next(mine)
                for o, is_local in zip(owners, local) if o == self.rank]
+        self._register(backend, grads_and_vars, owners)
+        return out
+
+    def take_share(self, grads_and_vars: list) -> list:
+        """This process's share of pairs aggregated already (a process's own values stand
+        for every process's there; another's are never read), registering the step as
+        `reduce_scatter` does, with no collective: the update of a window accumulated by
+        shares (`GradientAccumulation(shard_accumulators=True)`)."""
+        grads_and_vars = list(grads_and_vars)
+        owners = [self.owner(v) for _, v in grads_and_vars]
+        self._register(self.backend(), grads_and_vars, owners)
+        return [p for p, o in zip(grads_and_vars, owners) if o == self.rank]
+
+    def _register(self, backend, grads_and_vars: list, owners: list) -> None:
         step = CONTEXT.sharded
         variables = [v for _, v in grads_and_vars if not self.is_local(v)]
         updated = [g is not None for g, v in grads_and_vars if not self.is_local(v)]
@@ -191,7 +205,6 @@ class Sharding:
         step.positions = [i for i, owner in enumerate(owners) if owner == self.rank]
         step.everyones = lambda values: _everyones(backend, grads_and_vars, owners, self.rank, values)
         step.gather = lambda: backend.all_gather(variables, updated, [self.owner(v) for v in variables])
-        return out
 
 
 def _everyones(backend, grads_and_vars: list, owners: list, rank: int, values: list) -> list:
@@ -219,6 +232,13 @@ def stack_of(optimizer) -> list:
 def of(optimizer) -> Sharding | None:
     """The `Sharding` of a stack (its bottom's), or None where its state is not sharded."""
     return getattr(stack_of(optimizer)[-1], "_sharding", None)
+
+
+def take_share(optimizer, grads_and_vars: list) -> list:
+    """Pairs aggregated already, in a step of `optimizer`'s stack: this process's share
+    where the stack's state is sharded (`Sharding.take_share`), else all of them."""
+    sharding = of(optimizer)
+    return sharding.take_share(grads_and_vars) if sharding is not None and sharding.active() else grads_and_vars
 
 
 def gather_shares(optimizer) -> None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from dist_minimize import distribute
+from dist_minimize import _compat, distribute
+from dist_minimize.aggregation import exactly_once
+from dist_minimize.sharding import sharded_state, shards
 from dist_minimize.staged import StagedOptimizer
+from dist_minimize.step import stages
+from dist_minimize.step.context import CONTEXT
 from dist_minimize.transforms.base import check_positive_int
 from dist_minimize.wrappers.base import OptimizerWrapper
 
@@ -59,26 +63,38 @@ class GradientAccumulation(OptimizerWrapper):
       steps: micro-steps per update (>= 1; 1 updates every step).
       average: update with the mean of the micro-steps' gradients (True) or their sum
         (False: Horovod's `average_aggregated_gradients=False`).
+      shard_accumulators: with `shard_optimizer_state=True` at the bottom of the stack,
+        reduce-scatter every micro-step and keep only this process's share of the
+        accumulators (ZeRO stage 2: 1/N of their memory, `steps` times the traffic).
 
     Raises:
       TypeError: `optimizer` is not a dist_minimize optimizer.
-      ValueError: `steps` < 1, or the stack already accumulates.
+      ValueError: `steps` < 1, the stack already accumulates, or `shard_accumulators`
+        on a stack whose state is not sharded.
     """
 
-    def __init__(self, optimizer: StagedOptimizer, steps: int, average: bool = True, name: str | None = None):
+    def __init__(self, optimizer: StagedOptimizer, steps: int, average: bool = True,
+                 shard_accumulators: bool = False, name: str | None = None):
         steps = check_positive_int("steps", steps)
-        if not isinstance(average, bool):
-            raise TypeError(f"`average` must be a bool. Received: average={average!r}")
+        for arg, value in (("average", average), ("shard_accumulators", shard_accumulators)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{arg}` must be a bool. Received: {arg}={value!r}")
         super().__init__(optimizer, name=name)
+        if shard_accumulators and not getattr(self.stack()[-1], "shard_optimizer_state", False):
+            raise ValueError("`shard_accumulators=True` shares the accumulators out like the optimizer state: it "
+                             "needs `dist_minimize.Optimizer(..., shard_optimizer_state=True)` at the bottom of the "
+                             "stack. Received: shard_accumulators=True on an unsharded stack")
         self.steps = steps
         self.average = average
+        self.shard_accumulators = shard_accumulators
         self._micro_step = None
 
     once_per_stack = True
-    # Sharded (docs/sharding.md): the update rule's state is each process's share, the
-    # accumulators are not: they sum this process's unaggregated gradients of EVERY
-    # variable, and their mean is reduce-scattered once per window. Sharding them too
-    # (ZeRO stage 2) would reduce-scatter at every micro-step: `steps` times the traffic.
+    # Sharded (docs/sharding.md): the update rule's state is each process's share; the
+    # accumulators by default are not: they sum this process's unaggregated gradients of
+    # EVERY variable, and their mean is reduce-scattered once per window. With
+    # `shard_accumulators=True` (ZeRO stage 2) each micro-step is reduce-scattered and
+    # each process accumulates its share only: 1/N of the memory, `steps` times the traffic.
     shards_state = True
 
     @property
@@ -92,11 +108,14 @@ class GradientAccumulation(OptimizerWrapper):
 
     def build_state(self, var_list):
         """Creates the micro-step counter and one replica-local accumulator per trained
-        variable (all of them, also where `var_list` is this process's share)."""
+        variable (all of them, also where `var_list` is this process's share; with
+        `shard_accumulators`, one per variable of the share)."""
         self._micro_step = self.add_variable(shape=(), dtype="int64", initializer="zeros",
                                              aggregation="only_first_replica", name="micro_step")
-        for v in self.trained_variables:
-            self.add_slot(v, "accumulated", replica_local=True)
+        # Sharded, an accumulator holds aggregated values (one replica per process): this
+        # process's own variable, made like the update rule's sharded slots.
+        for v in var_list if self.shard_accumulators else self.trained_variables:
+            self.add_slot(v, "accumulated", replica_local=not self.shard_accumulators)
         self._seen = _Seen()
 
     def share_accumulators(self) -> None:
@@ -108,8 +127,9 @@ class GradientAccumulation(OptimizerWrapper):
         training step, before writing the checkpoint. Does nothing in one process or
         under a tf.distribute strategy (whose checkpoints already hold the sum).
         """
-        if not self.built or distribute.strategy_replicas() > 1 or distribute.horovod_size() == 1:
-            return
+        if (not self.built or self.shard_accumulators or distribute.strategy_replicas() > 1
+                or distribute.horovod_size() == 1):
+            return  # (sharded accumulators hold aggregated values, each process its own variables')
         is_local = self.stack()[-1].is_local  # a rank-local variable's accumulator is its rank's own: not shared
         accumulators = [self.slot("accumulated", v) for v in self.trained_variables if not is_local(v)]
         means = distribute.mean_across([tf.convert_to_tensor(a) for a in accumulators],
@@ -130,24 +150,33 @@ class GradientAccumulation(OptimizerWrapper):
         """Adds this micro-step's gradients to the accumulators; every `steps`-th
         micro-step, runs the wrapped update once on their mean (their sum with
         `average=False`)."""
+        full = list(grads_and_vars)
+        sharded = self.shard_accumulators and sharded_state.of(self).size > 1 and aggregate
+        if sharded:  # this micro-step reduce-scattered: this process's share, aggregated
+            with shards.step(), exactly_once.step(top._aggregations_allowed()):
+                aggregated = top.aggregate_gradients(list(full))
+                grads_and_vars = stages.check_stage_output("aggregate_gradients", CONTEXT.share(full), aggregated)
         accumulators = [self.slot("accumulated", v) for _, v in grads_and_vars]
         for (g, v), acc in zip(grads_and_vars, accumulators):
             if g is not None:
                 acc.assign_add(tf.cast(tf.convert_to_tensor(g), acc.dtype))
-                self._seen.add(acc)
+        for g, v in full:
+            if g is not None:
+                self._seen.add(_compat.variable_key(self, v))
         # A variable whose gradient is None in THIS call still gets its accumulated mean
         # if any call (any traced step) has given it a gradient: a window's micro-steps
         # may come from different step functions, and the last one's None must not
-        # drop the window's sum.
-        present = [g is not None or self._seen.has(acc) for (g, _), acc in zip(grads_and_vars, accumulators)]
+        # drop the window's sum. (Decided on every process alike, for every variable.)
+        present = [g is not None or self._seen.has(_compat.variable_key(self, v)) for g, v in full]
+        mine = dict(zip((id(v) for _, v in grads_and_vars), accumulators))
         micro = self._micro_step + 1
-        variables = [v for _, v in grads_and_vars]
 
         def update():
             divisor = self.steps if self.average else 1
-            combined = [(tf.convert_to_tensor(acc) / divisor if p else None, v)
-                        for acc, p, v in zip(accumulators, present, variables)]
-            self.wrapped.run_update(combined, top=top, aggregate=aggregate)
+            # Sharded: another process's variable holds zeros here (its share is its own).
+            combined = [((tf.convert_to_tensor(mine[id(v)]) / divisor if id(v) in mine else tf.zeros(v.shape, v.dtype))
+                         if p else None, v) for p, (_, v) in zip(present, full)]
+            self.wrapped.run_update(combined, top=top, aggregate=aggregate and not sharded)
             for acc in accumulators:
                 acc.assign(tf.zeros_like(acc))
 
@@ -159,6 +188,7 @@ class GradientAccumulation(OptimizerWrapper):
         config = super().get_config()
         config["steps"] = self.steps
         config["average"] = self.average
+        config["shard_accumulators"] = self.shard_accumulators
         return config
 
 
@@ -169,8 +199,8 @@ class _Seen:
     def __init__(self):
         self._refs = set()
 
-    def add(self, accumulator) -> None:
-        self._refs.add(id(accumulator))
+    def add(self, key) -> None:
+        self._refs.add(key)
 
-    def has(self, accumulator) -> bool:
-        return id(accumulator) in self._refs
+    def has(self, key) -> bool:
+        return key in self._refs

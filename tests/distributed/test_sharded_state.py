@@ -77,16 +77,17 @@ def test_sharded_matches_unsharded(run, np_, case, tmp_path_factory):
         plain, sharded = r[case]["unsharded"], r[case]["sharded"]
         assert close(arrays(plain["weights"]), arrays(sharded["weights"])), \
             P.max_abs_diff(arrays(plain["weights"]), arrays(sharded["weights"]))
-        if np_ == 2:  # both sums of two processes' values: the sharded run is the unsharded one, bit for bit
-            assert sharded["weights"] == plain["weights"]
+        if np_ == 2 and not case.endswith("accumulate_sharded"):  # both sums of two processes' values:
+            assert sharded["weights"] == plain["weights"]  # the sharded run is the unsharded one, bit for bit
         if case.endswith(("average", "swa", "full")):  # the averages, gathered from every process
             assert plain["averaged"] is not None and plain["averaged"] != plain["weights"]
             assert close(arrays(plain["averaged"]), arrays(sharded["averaged"])), \
                 P.max_abs_diff(arrays(plain["averaged"]), arrays(sharded["averaged"]))
         assert sharded["clipped_steps"] == plain["clipped_steps"]
-        if clip == "some" and not case.endswith(("accumulate", "full", "dp_noise")):  # fires on some steps, not all
-            assert 0 < plain["clipped_steps"] < P.STEPS, plain["clipped_steps"]
-        updates = P.STEPS // 2 if case.endswith(("accumulate", "full")) else P.STEPS  # accumulation: 2 per update
+        if clip == "some" and not case.endswith(("accumulate", "accumulate_sharded", "full", "dp_noise")):
+            assert 0 < plain["clipped_steps"] < P.STEPS, plain["clipped_steps"]  # fires on some steps, not all
+        accumulating = case.endswith(("accumulate", "accumulate_sharded", "full"))
+        updates = P.STEPS // 2 if accumulating else P.STEPS  # accumulation: 2 per update
         assert sharded["iterations"] == plain["iterations"] == updates
     # The all-gather puts every process's update everywhere: the same weights on all.
     for r in ranks[1:]:
@@ -247,3 +248,17 @@ def test_keras_file_from_a_sharded_run_loads_unsharded(run, tmp_path_factory):
     assert bottom.shard(model.trainable_variables) == model.trainable_variables
     assert int(model.optimizer.iterations.numpy()) == 0  # the share was not loaded: a fresh state
     assert "Saving a model whose optimizer state is sharded over 2 processes" in (out / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("run", [pytest.param("horovod-gloo", marks=requires_horovod), "multiworker"])
+def test_sharded_accumulators_are_held_once_across_the_processes(run, tmp_path_factory):
+    """`GradientAccumulation(shard_accumulators=True)` (ZeRO stage 2): each process keeps
+    the accumulators of its own variables only, so together the processes hold one
+    model's worth, where plain accumulation holds one on every process; the result is
+    the plain accumulation's (test_sharded_matches_unsharded, case accumulate_sharded)."""
+    ranks = ranks_of(run, 2, tmp_path_factory)
+    case = "adam/callable/some/accumulate_sharded"
+    whole = [r[case]["unsharded"]["accumulated"] for r in ranks]
+    shares = [r[case]["sharded"]["accumulated"] for r in ranks]
+    assert whole == [40 + 8 + 8 + 1] * 2
+    assert sum(shares) == whole[0] and all(0 < s < whole[0] for s in shares), shares

@@ -266,3 +266,13 @@ def test_a_kept_segment_compiles_with_xla():
 
     step = tf.function(lambda reduced: sharded.own_segment(reduced, 4, 1) * 2.0, jit_compile=True)
     np.testing.assert_array_equal(step(tf.range(4 * 8, dtype=tf.float32)), 2.0 * np.arange(8, 16, dtype=np.float32))
+
+
+def test_sharded_accumulators_need_a_sharded_stack_and_a_bool():
+    with pytest.raises(ValueError, match=r"shard_optimizer_state=True.*Received: shard_accumulators=True"):
+        dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(0.1)), 2, shard_accumulators=True)
+    with pytest.raises(TypeError, match="shard_accumulators='yes'"):
+        dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(0.1)), 2, shard_accumulators="yes")
+    opt = dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True), 2,
+                                  shard_accumulators=True)
+    assert dm.GradientAccumulation.from_config(opt.get_config()).shard_accumulators is True

@@ -347,6 +347,7 @@ elif scenario in ("sharded", "sharded_more"):
             runs["sharded" if shard else "unsharded"] = {
                 "weights": lists(w), "slots": P.slots_by_variable(opt, model), "averaged": averaged,
                 "state_bytes": dm.optimizer_state_bytes(opt), "clipped_steps": P.clipped_steps(opt),
+                "accumulated": P.accumulated_elements(dm, opt),
                 "iterations": int(opt.iterations.numpy())}
         results[case] = runs
     for shard in (False, True):

@@ -133,7 +133,8 @@ for case in cases:
             runs["sharded" if shard else "unsharded"] = {
                 "weights": [w.tolist() for w in got], "slots": P.slots_by_variable(opt, model),
                 "averaged": averaged, "state_bytes": dm.optimizer_state_bytes(opt),
-                "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy())}
+                "clipped_steps": P.clipped_steps(opt), "iterations": int(opt.iterations.numpy()),
+                "accumulated": P.accumulated_elements(dm, opt)}
         results[case[len("shard/"):]] = runs
         continue
     if mode == "fit_anchor":
