@@ -631,7 +631,7 @@ MUTATIONS = [
     Mutation("shard-accumulators-of-the-share", "GradientAccumulation builds accumulators for the process's "
              "share only (the gradients of the others' variables, summed before the reduce-scatter, are lost)",
              "dist_minimize/wrappers/accumulation.py",
-             "        for v in var_list if self.shard_accumulators else self.trained_variables:\n",
+             "        for v in var_list if sharded else self.trained_variables:\n",
              "        for v in var_list:\n",
              [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some/accumulate]"]),
     Mutation("shard-ckpt-own-file-only", "a restore reads one file of a sharded checkpoint (its other "

@@ -112,10 +112,11 @@ class GradientAccumulation(OptimizerWrapper):
         `shard_accumulators`, one per variable of the share)."""
         self._micro_step = self.add_variable(shape=(), dtype="int64", initializer="zeros",
                                              aggregation="only_first_replica", name="micro_step")
-        # Sharded, an accumulator holds aggregated values (one replica per process): this
-        # process's own variable, made like the update rule's sharded slots.
-        for v in var_list if self.shard_accumulators else self.trained_variables:
-            self.add_slot(v, "accumulated", replica_local=not self.shard_accumulators)
+        # Sharded over processes, an accumulator holds aggregated values (one replica per
+        # process): this process's own variable, made like the update rule's sharded slots.
+        sharded = self.shard_accumulators and sharded_state.of(self).size > 1
+        for v in var_list if sharded else self.trained_variables:
+            self.add_slot(v, "accumulated", replica_local=not sharded)
         self._seen = _Seen()
 
     def share_accumulators(self) -> None:

@@ -276,3 +276,27 @@ def test_sharded_accumulators_need_a_sharded_stack_and_a_bool():
     opt = dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(0.1), shard_optimizer_state=True), 2,
                                   shard_accumulators=True)
     assert dm.GradientAccumulation.from_config(opt.get_config()).shard_accumulators is True
+
+
+def test_sharded_accumulators_in_one_process_accumulate_every_variable():
+    """One process (nothing to shard over; a merge-call strategy is refused with sharded
+    state): the option changes nothing, every variable is accumulated as without it."""
+    results = []
+    for option in (False, True):
+        w, b = tf.Variable(np.zeros(3, np.float32)), tf.Variable(np.zeros(2, np.float32))
+        opt = dm.GradientAccumulation(dm.Optimizer(keras.optimizers.SGD(1.0), shard_optimizer_state=True), 2,
+                                      shard_accumulators=option)
+        opt.build([w, b])
+
+        @tf.function
+        def step(t):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(w * tf.stack([t, 2.0, 3.0])) + tf.reduce_sum(b * t)
+            opt.minimize(loss, [w, b], tape=tape)
+
+        for t in range(4):
+            step(tf.constant(1.0 + t))
+        results.append((w.numpy(), b.numpy()))
+    for got, want in zip(results[1], results[0]):
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(results[0][1], [-5.0, -5.0])  # the means of (1, 2) and (3, 4)
