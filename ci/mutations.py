@@ -633,7 +633,7 @@ MUTATIONS = [
              "dist_minimize/wrappers/accumulation.py",
              "        for v in var_list if sharded else self.trained_variables:\n",
              "        for v in var_list:\n",
-             [f"{SHARDED}::test_sharded_matches_unsharded[horovod-gloo-2-adam/callable/some/accumulate]"]),
+             [f"{SHARDED}::test_sharded_matches_unsharded[multiworker-2-adam/callable/some/accumulate]"]),
     Mutation("shard-ckpt-own-file-only", "a restore reads one file of a sharded checkpoint (its other "
              "processes' shares are lost)",
              "dist_minimize/sharding/sharded_checkpoint.py",
