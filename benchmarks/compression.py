@@ -35,15 +35,6 @@ STEPS = 5
 SLOW_RATE = "500mbit"  # the slow link: about 62 MB/s shared by the job's processes
 
 
-def loopback_sent() -> int:
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    raise KeyError("lo")
-
-
 # -- the worker (one process of a horovodrun job) ----------------------------------------
 
 
@@ -125,6 +116,7 @@ def worker(out_path, mode, quick):
 
     import dist_minimize as dm
     from benchmarks import _timing
+    from benchmarks._timing import loopback_sent
 
     hvd.init()
     size = hvd.size()

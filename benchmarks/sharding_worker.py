@@ -32,21 +32,12 @@ import tensorflow as tf  # noqa: E402
 
 import dist_minimize as dm  # noqa: E402
 from benchmarks import _timing  # noqa: E402
+from benchmarks._timing import loopback_sent  # noqa: E402
 from benchmarks._steps import CLIP, LR  # noqa: E402
 from benchmarks.memory_worker import status_kb  # noqa: E402
 
 WIDTH, DEPTH, BATCH = 2048, 12, 8  # 12 x Dense(2048): 50.4M weights, Adam's state 403 MB
 STEPS = 5
-
-
-def loopback_sent() -> int:
-    """Bytes sent over the loopback interface so far, by every process of the machine."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            if name.strip() == "lo":
-                return int(rest.split()[8])
-    raise KeyError("lo")
 
 
 class Run:
